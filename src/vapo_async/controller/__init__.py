@@ -1,0 +1,1 @@
+"""vapo_async.controller."""
