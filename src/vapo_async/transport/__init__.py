@@ -1,1 +1,15 @@
-"""vapo_async.transport."""
+"""vapo_async.transport: the ZeroMQ wire between the controller and the generators, and weights.
+
+- ``wire``: msgpack header frame, ``MessageLimits``, strict field readers, ``MessageError``.
+- ``rollout``: ``RolloutGroup`` and its zero-copy ``encode_group`` / ``decode_group``.
+- ``messages``: control messages (hello, request, lease, ack, ...), decoding with validation.
+- ``config``: ``TransportConfig`` / ``CurveConfig``; ``sockets``: socket set-up, CURVE, back-pressure;
+  ``keys``: CURVE key files (``python -m vapo_async.transport.keys``).
+- ``client``: ``ControllerClient``, the generator's end of the link.
+- ``weights``: ``WeightPublisher`` (versioned safetensors directories), ``verify_weights_dir``;
+  ``safetensors_io``: streaming writer; ``fetch``: chunked, resumable weight download.
+- ``synthetic``: random groups and a scripted generator (tests, benchmarks, learner stand-ins);
+  ``fuzz``: malformed-message generator.
+
+Nothing here unpickles, evaluates or executes received data (enforced by a test).
+"""

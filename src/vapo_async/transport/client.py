@@ -1,0 +1,283 @@
+"""``ControllerClient``: the generator's end of the controller link (DEALER + SUB).
+
+Typical generator loop (single thread; the client is not thread-safe)::
+
+    client = ControllerClient(cfg, generator_id="gen-0", max_prompts=8)
+    welcome = client.connect(timeout_s=None)          # waits (with backoff) for the learner
+    weights_dir = client.resolve_weights(welcome.weights, local_dir) if welcome.weights else base_dir
+    client.request(credit=8)                          # "I can take 8 prompts now"
+    while running:
+        for msg in client.poll(timeout_ms=20):        # also sends heartbeats when due
+            if isinstance(msg, Lease): ...            # sample msg.prompts with version >= msg.min_version
+            elif isinstance(msg, WeightAnnouncement): path = client.resolve_weights(msg, local_dir); reload
+            elif isinstance(msg, Welcome): ...        # (re)joined a controller: see rules below
+            elif isinstance(msg, Ack | ErrorReply): ...  # receipts / refusals, for metrics and logs
+        ... step the engine ...; client.send_group(group); client.request(free_capacity)
+    client.bye(return_leases=[...]); client.close()
+
+Rules the generator must follow:
+- Call ``poll()`` at least every ``heartbeat_s``: heartbeats keep its leases alive, and a generator
+  whose main loop hangs must stop heartbeating so its prompts are re-issued.
+- Sample a lease's prompts only with weights of version >= ``lease.min_version`` (``lease.weights``
+  names the newest version); the controller rejects groups with older tokens (``version_stale``).
+- ``request(credit)`` states how many *more* prompts it can take now (it replaces the last request).
+- Version 0 is the base model the generator started from (no announcement needed for it).
+- A ``Welcome`` out of ``poll()`` means the controller restarted or forgot this session: drop
+  in-flight leases (they were re-issued), load ``welcome.weights`` when ``welcome.version`` differs
+  from the version held (a learner resumed from a checkpoint rolls versions *back*; groups stamped
+  with newer versions are refused as ``version_future``), then ``request`` credit again.
+- ``Ack(status="rejected", reason=...)`` for a group means it was refused; ``version_stale`` /
+  ``version_future`` say the weights are out of step with the controller.
+
+Reconnects are automatic: when the controller answers ``unknown_session`` (it restarted), the client
+says hello again and the new ``Welcome`` comes out of ``poll()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import Counter, deque
+from pathlib import Path
+
+import zmq
+
+from vapo_async.transport.config import TransportConfig
+from vapo_async.transport.fetch import fetch_weights
+from vapo_async.transport.messages import (
+    Ack,
+    Bye,
+    Chunk,
+    ErrorReply,
+    FromController,
+    Heartbeat,
+    Hello,
+    Lease,
+    MessageError,
+    Request,
+    RolloutGroup,
+    WeightAnnouncement,
+    Welcome,
+    decode_announcement,
+    decode_from_controller,
+    encode_group,
+)
+from vapo_async.transport.sockets import ClientSockets
+from vapo_async.transport.weights import WeightsError, verify_weights_dir
+
+log = logging.getLogger(__name__)
+
+Message = Lease | WeightAnnouncement | Ack | ErrorReply | Welcome
+
+
+class ControllerClient:
+    """Generator-side connection to the controller: hello/lease/group/heartbeat/bye, weight
+    announcements and chunked weight fetches. See the module docstring for the loop."""
+
+    def __init__(self, cfg: TransportConfig, generator_id: str, *, max_prompts: int = 64,
+                 ctx: zmq.Context | None = None) -> None:
+        if not generator_id or ":" in generator_id or len(generator_id) > 64:
+            raise ValueError(f"generator_id must be 1-64 chars without ':', got {generator_id!r}")
+        self.cfg = cfg
+        self.generator_id = generator_id
+        self.max_prompts = max_prompts
+        self.session = uuid.uuid4().hex[:16]
+        self.version = 0
+        """Weight version the generator holds (sent in hello; set it after each reload)."""
+        self.welcome: Welcome | None = None
+        self.rejected: Counter[str] = Counter()
+        """Invalid controller messages dropped, per reason."""
+        self._own_ctx = ctx is None
+        self._ctx = ctx or zmq.Context()
+        try:
+            self._sockets = ClientSockets(cfg, self._ctx, f"{generator_id}:{self.session}")
+        except BaseException:
+            if self._own_ctx:
+                self._ctx.term()
+            raise
+        self._poller = zmq.Poller()
+        self._poller.register(self._sockets.dealer, zmq.POLLIN)
+        self._inbox: deque[FromController | WeightAnnouncement] = deque()
+        self._leases: deque[int] = deque(maxlen=100_000)
+        self._last_send = 0.0
+
+    # ---- session ----
+
+    def connect(self, timeout_s: float | None = None) -> Welcome:
+        """Say hello and wait for the welcome, retrying with exponential backoff while the
+        controller is unreachable. Raises ``TimeoutError`` after ``timeout_s`` (None = forever)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pause = self.cfg.connect_backoff_s
+        while True:
+            try:
+                self._send(Hello(self.generator_id, self.session, self.max_prompts, self.version).to_frames(),
+                           block=False)
+            except zmq.Again:  # no usable connection yet (down, or the CURVE handshake failed)
+                pass
+            wait_until = time.monotonic() + pause
+            if deadline is not None:
+                wait_until = min(wait_until, deadline)
+            while (left := wait_until - time.monotonic()) > 0:
+                msg = self._recv_one(int(left * 1000) + 1)
+                if isinstance(msg, Welcome) and msg.session == self.session:
+                    return msg
+                if msg is not None and not isinstance(msg, (Welcome, ErrorReply)):
+                    self._inbox.append(msg)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"no welcome from controller at {self.cfg.endpoint} within {timeout_s} s "
+                                   "(down, wrong address, or CURVE keys refused)")
+            pause = min(2 * pause, self.cfg.connect_backoff_max_s)
+
+    def request(self, credit: int) -> None:
+        """Tell the controller this generator can take ``credit`` (>= 0) more prompts now."""
+        if credit < 0:
+            raise ValueError(f"credit must be >= 0, got {credit}")
+        self._send(Request(int(credit)).to_frames())
+
+    def heartbeat(self) -> None:
+        """Extend this generator's lease deadlines (``poll`` does it when due)."""
+        try:
+            self._send(Heartbeat().to_frames(), block=False)
+        except zmq.Again:  # queue full while the controller is away: the next one will do
+            log.debug("heartbeat dropped: send queue full")
+
+    def send_group(self, group: RolloutGroup) -> bool:
+        """Send one finished group. Returns False (and sends nothing) when its lease came from a
+        previous controller incarnation (that controller re-issued the prompt already). Raises
+        ``TimeoutError`` when the controller accepted nothing for ``send_timeout_ms`` (the lease
+        deadline then re-issues the prompt; the generator may retry or drop the group)."""
+        if group.lease_id not in self._leases:
+            log.warning("dropping group for lease %d: not granted by the current controller", group.lease_id)
+            return False
+        try:
+            self._send(encode_group(group))
+        except zmq.Again:
+            raise TimeoutError(f"controller at {self.cfg.endpoint} accepted nothing for "
+                               f"{self.cfg.send_timeout_ms} ms") from None
+        return True
+
+    def bye(self, return_leases: list[int]) -> None:
+        """Leave cleanly, handing ``return_leases`` back for immediate re-issue."""
+        try:
+            self._send(Bye(tuple(return_leases)).to_frames(), block=False)
+        except zmq.Again:
+            log.warning("bye not sent (queue full); the lease deadlines will re-issue the work")
+
+    def close(self) -> None:
+        """Close the sockets (queued messages get up to 1 s to leave)."""
+        self._sockets.close()
+        if self._own_ctx:
+            self._ctx.term()
+
+    # ---- receiving ----
+
+    def poll(self, timeout_ms: int) -> list[Message]:
+        """Messages that arrived within ``timeout_ms`` (all that are ready once one is); sends a
+        heartbeat first when one is due. Invalid messages are counted in ``rejected`` and dropped."""
+        if time.monotonic() - self._last_send >= self.heartbeat_s():
+            self.heartbeat()
+        out: list[Message] = []
+        while self._inbox:
+            self._route(self._inbox.popleft(), out)
+        first = self._recv_one(0 if out else timeout_ms)
+        while first is not None:
+            self._route(first, out)
+            first = self._recv_one(0)
+        return out
+
+    def heartbeat_s(self) -> float:
+        """Heartbeat period: the configured one, or the controller's if that is shorter."""
+        told = self.welcome.heartbeat_s if self.welcome is not None and self.welcome.heartbeat_s > 0 else None
+        return min(self.cfg.heartbeat_s, told) if told else self.cfg.heartbeat_s
+
+    def _route(self, msg: FromController | WeightAnnouncement, out: list[Message]) -> None:
+        if isinstance(msg, Chunk):
+            return  # a late chunk of a finished fetch
+        if isinstance(msg, ErrorReply) and msg.reason == "unknown_session":
+            log.info("controller does not know session %s (restarted?): saying hello again", self.session)
+            self._send(Hello(self.generator_id, self.session, self.max_prompts, self.version).to_frames())
+        if isinstance(msg, Welcome) and msg.session != self.session:
+            return
+        out.append(msg)
+
+    def _recv_one(self, timeout_ms: int) -> FromController | WeightAnnouncement | None:
+        """One decoded message (or None on timeout); handles welcome/lease bookkeeping."""
+        events = dict(self._poller.poll(timeout_ms))
+        sub = self._sockets.sub
+        if sub is not None and events.get(sub):
+            frames = sub.recv_multipart(copy=False)
+            try:
+                return decode_announcement(frames, self.cfg.limits)
+            except MessageError as e:
+                self._reject("pub", e)
+        if events.get(self._sockets.dealer):
+            frames = self._sockets.dealer.recv_multipart(copy=False)
+            try:
+                msg = decode_from_controller(frames, self.cfg.limits)
+            except MessageError as e:
+                self._reject("controller", e)
+                return None
+            if isinstance(msg, Welcome) and msg.session == self.session:
+                self._on_welcome(msg)
+            elif isinstance(msg, Lease):
+                self._leases.append(msg.lease_id)
+            return msg
+        return None
+
+    def _on_welcome(self, msg: Welcome) -> None:
+        if self.welcome is None or msg.controller_id != self.welcome.controller_id:
+            self._leases.clear()  # leases of a previous controller incarnation are void
+        if self.welcome is None or msg.pub_endpoint != self.welcome.pub_endpoint or self._sockets.sub is None:
+            if self._sockets.sub is not None:
+                self._poller.unregister(self._sockets.sub)
+            self._poller.register(self._sockets.connect_sub(msg.pub_endpoint), zmq.POLLIN)
+        self.welcome = msg
+
+    def _reject(self, source: str, e: MessageError) -> None:
+        self.rejected[e.reason] += 1
+        if self.rejected[e.reason] in (1, 10, 100, 1000) or self.rejected[e.reason] % 10_000 == 0:
+            log.warning("rejected %s message (%s, %d so far): %s", source, e.reason, self.rejected[e.reason], e)
+
+    def _send(self, frames: list, block: bool = True) -> None:
+        self._sockets.dealer.send_multipart(frames, flags=0 if block else zmq.NOBLOCK, copy=False)
+        self._last_send = time.monotonic()
+
+    # ---- weights ----
+
+    def weights_root(self) -> Path:
+        """The trusted weights root: ``cfg.weights_root`` or the one the controller named."""
+        if self.cfg.weights_root:
+            return Path(self.cfg.weights_root)
+        if self.welcome is None or not self.welcome.weights_root:
+            raise WeightsError("no_root", "no weights root known: connect() first or set transport.weights_root")
+        return Path(self.welcome.weights_root)
+
+    def resolve_weights(self, ann: WeightAnnouncement, local_dir: str | Path) -> Path:
+        """A verified directory holding ``ann``'s weights: the announced path when this machine
+        can read it, else a chunked fetch into ``local_dir``. Raises ``WeightsError`` when the
+        files fail verification (traversal, checksum, size): keep the current weights then."""
+        path = Path(ann.path)
+        try:
+            readable = path.is_dir() and (path / "MANIFEST.json").is_file()
+        except OSError:
+            readable = False
+        if readable:
+            return verify_weights_dir(path, self.weights_root(), ann, self.cfg.limits)
+        return self.fetch_weights(ann, Path(local_dir))
+
+    def fetch_weights(self, ann: WeightAnnouncement, dest_dir: Path) -> Path:
+        """Fetch ``ann``'s files over the ROUTER in chunks into ``dest_dir/v{version:08d}``
+        (resumable from a partial earlier attempt, sha256-verified). Messages that arrive
+        meanwhile are kept for the next ``poll()``."""
+        return fetch_weights(self._send, self._recv_chunk, ann, Path(dest_dir), self.cfg)
+
+    def _recv_chunk(self, timeout_ms: int) -> Chunk | ErrorReply | None:
+        msg = self._recv_one(timeout_ms)
+        if isinstance(msg, Chunk):
+            return msg
+        if isinstance(msg, ErrorReply) and msg.reason.startswith("fetch"):
+            return msg
+        if msg is not None:
+            self._inbox.append(msg)
+        return None

@@ -1,0 +1,135 @@
+"""Chunked, resumable, verified fetch of a published weight version over the controller ROUTER.
+
+Used by generators that cannot read the announced path (another node, no shared filesystem).
+Protocol: ``fetch{version, file, offset, length}`` -> ``chunk{version, file, offset, size} + data``.
+Files land in ``dest/.part-v{version:08d}/`` and are appended strictly in order (out-of-order chunks
+wait in memory, at most ``fetch_window`` of them), so a partial file is always a valid prefix and a
+later attempt resumes from its size. MANIFEST.json comes first and must hash to the announced
+checksum; every other file must match the manifest's size and sha256. Only then is the directory
+renamed to ``dest/v{version:08d}`` and verified like a shared-filesystem one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from vapo_async.transport.config import TransportConfig
+from vapo_async.transport.messages import Chunk, ErrorReply, Fetch, WeightAnnouncement
+from vapo_async.transport.weights import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    WeightsError,
+    parse_manifest,
+    sha256_file,
+    verify_weights_dir,
+    version_dir_name,
+)
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[list], None]
+RecvChunk = Callable[[int], Chunk | ErrorReply | None]
+
+
+def fetch_weights(send: Send, recv: RecvChunk, ann: WeightAnnouncement, dest: Path, cfg: TransportConfig) -> Path:
+    """Fetch ``ann`` into ``dest/v{version:08d}`` and return the verified directory."""
+    final = dest / version_dir_name(ann.version)
+    if final.is_dir():
+        try:
+            return verify_weights_dir(final, dest, ann, cfg.limits)
+        except WeightsError as e:
+            log.warning("existing %s failed verification (%s): fetching again", final, e)
+            shutil.rmtree(final)
+    part = dest / f".part-{version_dir_name(ann.version)}"
+    part.mkdir(parents=True, exist_ok=True)
+    fetcher = _FileFetcher(send, recv, ann.version, cfg)
+    fetcher.fetch(MANIFEST, part / MANIFEST, None)
+    if (part / MANIFEST).stat().st_size > MAX_MANIFEST_BYTES:
+        raise WeightsError("manifest", "fetched MANIFEST.json is too large")
+    try:
+        files = parse_manifest((part / MANIFEST).read_bytes(), ann, cfg.limits)
+    except WeightsError:
+        (part / MANIFEST).unlink()
+        raise
+    for name, (size, digest) in files.items():
+        fetcher.fetch(name, part / name, size)
+        if sha256_file(part / name) != digest:
+            (part / name).unlink()
+            raise WeightsError("checksum", f"fetched {name} of version {ann.version} does not match its sha256")
+    for extra in set(os.listdir(part)) - set(files) - {MANIFEST}:
+        (part / extra).unlink()
+    os.rename(part, final)
+    return verify_weights_dir(final, dest, ann, cfg.limits)
+
+
+class _FileFetcher:
+    """Pipelined in-order download of one file at a time (see module docstring)."""
+
+    def __init__(self, send: Send, recv: RecvChunk, version: int, cfg: TransportConfig) -> None:
+        self.send = send
+        self.recv = recv
+        self.version = version
+        self.cfg = cfg
+        self.retry_s = max(0.5, cfg.fetch_timeout_s / 4)
+
+    def fetch(self, name: str, path: Path, size: int | None) -> None:
+        """Append the missing tail of ``name`` to ``path`` until it has ``size`` bytes
+        (``size=None``: learn it from the first reply)."""
+        if size is not None and path.exists() and path.stat().st_size > size:
+            path.unlink()  # longer than the real file: not a prefix of it
+        with open(path, "ab") as f:
+            have = f.tell()
+            self._loop(name, f, have, size)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _loop(self, name: str, f, have: int, size: int | None) -> None:  # f: BinaryIO
+        chunk = self.cfg.fetch_chunk_bytes
+        ahead: dict[int, bytes] = {}
+        requested: dict[int, float] = {}
+        next_req = have
+        last_progress = time.monotonic()
+        while size is None or have < size:
+            while len(requested) < self.cfg.fetch_window and (not requested if size is None else next_req < size):
+                length = chunk if size is None else min(chunk, size - next_req)
+                self.send(Fetch(self.version, name, next_req, length).to_frames())
+                requested[next_req] = time.monotonic()
+                next_req += length
+            msg = self.recv(100)
+            now = time.monotonic()
+            if isinstance(msg, ErrorReply):
+                raise WeightsError("fetch_refused", f"controller refused {name} of version {self.version}: "
+                                   f"{msg.reason} {msg.detail}")
+            if msg is None or msg.version != self.version or msg.file != name:
+                if now - last_progress > self.cfg.fetch_timeout_s:
+                    raise WeightsError("fetch_timeout", f"no chunk of {name} (version {self.version}) for "
+                                       f"{self.cfg.fetch_timeout_s} s")
+                if requested and now - min(requested.values()) > self.retry_s:
+                    log.info("re-requesting %s from offset %d", name, have)
+                    requested.clear()
+                    ahead.clear()
+                    next_req = have
+                continue
+            if size is None:
+                size = msg.size
+                if size > self.cfg.limits.max_weight_bytes:
+                    raise WeightsError("size", f"{name} announces {size} bytes")
+            elif msg.size != size:
+                raise WeightsError("size", f"{name}: chunk says size {msg.size}, expected {size}")
+            requested.pop(msg.offset, None)
+            if msg.offset >= have and msg.offset not in ahead:
+                ahead[msg.offset] = bytes(msg.data)
+            while have in ahead:
+                data = ahead.pop(have)
+                if not data and have < size:
+                    raise WeightsError("fetch_range", f"empty chunk of {name} at {have} < {size}")
+                f.write(data)
+                have += len(data)
+                last_progress = now
+            if have > size:
+                raise WeightsError("size", f"{name} grew beyond {size} bytes")

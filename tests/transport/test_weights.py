@@ -1,0 +1,195 @@
+"""Weight publishing and verification: real files, the reference safetensors reader, transformers."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from vapo_async.transport import safetensors_io
+from vapo_async.transport.messages import WeightAnnouncement
+from vapo_async.transport.weights import (
+    MANIFEST,
+    WeightPublisher,
+    WeightPublishError,
+    WeightsError,
+    latest_published,
+    verify_weights_dir,
+)
+
+
+@pytest.fixture(scope="module")
+def model_sd(tiny_model_dir: Path) -> dict[str, torch.Tensor]:
+    """State dict of the tiny model with its weights perturbed (so it differs from the base)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    torch.manual_seed(1)
+    return {k: v.detach() + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+
+
+def _load_published(path: Path) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+@pytest.mark.parametrize("shard_bytes", [4 << 30, 300_000])
+def test_publish_loads_in_transformers_bit_exact(tmp_path: Path, tiny_model_dir: Path, model_sd, shard_bytes: int) -> None:
+    pub = WeightPublisher(tmp_path / "weights", tiny_model_dir, keep=2, shard_bytes=shard_bytes)
+    ann = pub.publish(3, model_sd)
+    d = Path(ann.path)
+    assert d == (tmp_path / "weights" / "v00000003").resolve()
+    shards = sorted(p.name for p in d.glob("*.safetensors"))
+    if shard_bytes == 4 << 30:
+        assert shards == ["model.safetensors"]
+    else:  # ~2 MB of fp32 weights in 300 KB shards
+        assert len(shards) > 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+        index = json.loads((d / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"]) == set(model_sd)
+    assert {"config.json", "tokenizer.json", "generation_config.json"} <= set(ann.files)
+    assert verify_weights_dir(d, tmp_path / "weights", ann) == d
+    loaded = _load_published(d)
+    assert set(loaded) == set(model_sd)
+    for k, v in model_sd.items():
+        assert torch.equal(loaded[k], v), k
+    assert ann.bytes == sum((d / f).stat().st_size for f in [*ann.files, MANIFEST])
+    assert latest_published(tmp_path / "weights") == ann
+    pub.close()
+
+
+def test_safetensors_writer_matches_reference_reader(tmp_path: Path) -> None:
+    tensors = {
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "f16": torch.randn(7).half(),
+        "i64": torch.arange(6).reshape(2, 3),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "strided": torch.randn(4, 6).t(),  # non-contiguous input
+    }
+    tensors["tied"] = tensors["f16"]  # shared storage: written twice, read back equal
+    n, digest = safetensors_io.write_safetensors(tmp_path / "x.safetensors", tensors)
+    assert n == (tmp_path / "x.safetensors").stat().st_size
+    import hashlib
+    assert digest == hashlib.sha256((tmp_path / "x.safetensors").read_bytes()).hexdigest()
+    with safe_open(tmp_path / "x.safetensors", framework="pt") as f:
+        assert set(f.keys()) == set(tensors)
+        for k, v in tensors.items():
+            got = f.get_tensor(k)
+            assert got.dtype == v.dtype and got.shape == v.shape and torch.equal(got, v), k
+
+
+def test_keeps_last_k_versions_and_never_the_new_one(tmp_path: Path, tiny_model_dir: Path) -> None:
+    sd = {"w": torch.ones(4)}
+    pub = WeightPublisher(tmp_path, tiny_model_dir, keep=2)
+    for v in (1, 2, 3, 5):
+        pub.publish(v, sd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000003", "v00000005"]
+    pub.publish(4, sd)  # out of order: still kept although it sorts below v5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000004", "v00000005"]
+    with pytest.raises(WeightPublishError, match="already exists"):
+        pub.publish(5, sd)
+    with pytest.raises(ValueError, match="keep must be >= 2"):
+        WeightPublisher(tmp_path, tiny_model_dir, keep=1)
+
+
+def test_publish_async_snapshots_before_returning(tmp_path: Path, tiny_model_dir: Path) -> None:
+    pub = WeightPublisher(tmp_path, tiny_model_dir, keep=2)
+    w = torch.zeros(1000)
+    fut = pub.publish_async(1, {"w": w})
+    w += 1  # the learner keeps training right after the call
+    ann = fut.result(timeout=30)
+    with safe_open(Path(ann.path) / "model.safetensors", framework="pt") as f:
+        assert torch.equal(f.get_tensor("w"), torch.zeros(1000))
+    pub.close()
+
+
+@pytest.fixture()
+def published(tmp_path: Path, tiny_model_dir: Path) -> tuple[Path, WeightAnnouncement]:
+    root = tmp_path / "weights"
+    ann = WeightPublisher(root, tiny_model_dir, keep=2).publish(1, {"w": torch.arange(100.0)})
+    return root, ann
+
+
+def test_traversal_and_symlinks_refused(tmp_path: Path, published) -> None:
+    root, ann = published
+    outside = tmp_path / "elsewhere" / "v00000001"
+    shutil.copytree(ann.path, outside)
+    for path in (outside, root / ".." / "elsewhere" / "v00000001", root / "v00000001" / ".." / ".." / "elsewhere" / "v00000001"):
+        with pytest.raises(WeightsError, match="outside_root"):
+            verify_weights_dir(path, root, ann)
+    (root / "v00000009").symlink_to(outside, target_is_directory=True)  # a link inside root pointing out
+    with pytest.raises(WeightsError, match="symlink"):
+        verify_weights_dir(root / "v00000009", root, WeightAnnouncement(9, "", ann.checksum, 0, ann.files))
+    with pytest.raises(WeightsError, match="outside_root"):  # right root, wrong version directory
+        verify_weights_dir(root / "v00000001", root, WeightAnnouncement(2, "", ann.checksum, 0, ann.files))
+
+
+@pytest.mark.parametrize("damage,reason", [
+    ("flip_byte", "checksum"), ("truncate", "size"), ("extra_file", "unexpected_files"),
+    ("file_symlink", "symlink"), ("manifest_edit", "checksum"), ("wrong_announced_checksum", "checksum"),
+])
+def test_corrupted_weights_refused(published, damage: str, reason: str) -> None:
+    root, ann = published
+    d = Path(ann.path)
+    model = d / "model.safetensors"
+    if damage == "flip_byte":
+        raw = bytearray(model.read_bytes())
+        raw[-5] ^= 0xFF
+        model.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        model.write_bytes(model.read_bytes()[:-8])
+    elif damage == "extra_file":
+        (d / "evil.safetensors").write_bytes(b"x")
+    elif damage == "file_symlink":
+        target = root.parent / "copy.safetensors"
+        shutil.copy(model, target)
+        model.unlink()
+        model.symlink_to(target)
+    elif damage == "manifest_edit":
+        (d / MANIFEST).write_text((d / MANIFEST).read_text().replace('"version": 1', '"version": 1 '))
+    else:
+        ann = WeightAnnouncement(ann.version, ann.path, "0" * 64, ann.bytes, ann.files)
+    with pytest.raises(WeightsError) as e:
+        verify_weights_dir(d, root, ann)
+    assert e.value.reason == reason
+
+
+def _no_partial_left(root: Path) -> None:
+    assert [p.name for p in root.iterdir()] == [], "a partial or temporary directory was left behind"
+    assert latest_published(root) is None
+
+
+def test_disk_full_on_a_tiny_tmpfs_leaves_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root); test_disk_full_simulated covers ENOSPC")
+    try:
+        pub = WeightPublisher(mnt, tiny_model_dir, keep=2)
+        with pytest.raises(WeightPublishError, match="No space left on device"):
+            pub.publish(1, {"w": torch.zeros(1 << 20)})  # 4 MB into 256 KB
+        _no_partial_left(mnt)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        with pytest.raises(WeightPublishError, match="Read-only file system"):
+            pub.publish(1, {"w": torch.zeros(10)})
+        _no_partial_left(mnt)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_disk_full_simulated(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC injected at the lowest write (only for the disk-full case; everything else is real)."""
+    def full(*_: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    pub = WeightPublisher(tmp_path, tiny_model_dir, keep=2)
+    monkeypatch.setattr(safetensors_io, "write_safetensors", lambda path, tensors: (path.write_bytes(b"x"), full()))
+    with pytest.raises(WeightPublishError, match="could not publish weights version 1"):
+        pub.publish(1, {"w": torch.zeros(10)})
+    _no_partial_left(tmp_path)
