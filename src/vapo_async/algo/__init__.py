@@ -1,1 +1,67 @@
-"""vapo_async.algo."""
+"""vapo_async.algo: the VAPO algorithm as pure tensor functions (no I/O, no distributed calls).
+
+Notation used in every shape below (and across the project):
+    B  responses in a batch            T  padded response length (tokens)
+    G  samples per prompt (a group)    V  vocabulary size
+    L_i  valid tokens of response i    mask[i, t]  nonzero on the tokens that count
+Equation numbers refer to /shared/PAPER.md (VAPO arXiv 2504.05118, DAPO 2503.14476, AReaL 2505.24298).
+
+Modules:
+    advantages  GAE with per-response lambda (decoupled, length-adaptive), group advantages,
+                terminal-reward placement
+    scan        the blocked matmul reverse scan under GAE (no Python loop over T)
+    losses      decoupled PPO policy loss with clip-higher and behaviour-weight cap, value loss,
+                positive-example NLL, DAPO overlong penalty
+    stats       masked mean / variance / whitening, explained variance, log-probs and entropy
+    presets     AlgoConfig and the vapo / ppo / grpo / dapo presets, ``vapo_without``
+
+Every module docstring lists its deliberate departures from the papers.
+"""
+
+from vapo_async.algo.advantages import (
+    gae,
+    group_advantages,
+    length_adaptive_lambda,
+    place_terminal_rewards,
+)
+from vapo_async.algo.losses import (
+    aggregate,
+    overlong_penalty,
+    policy_loss,
+    positive_nll_loss,
+    value_loss,
+)
+from vapo_async.algo.presets import PRESETS, TECHNIQUES, AlgoConfig, preset, vapo_without
+from vapo_async.algo.stats import (
+    entropy_from_logits,
+    explained_variance,
+    gather_logprobs,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+
+__all__ = [
+    "PRESETS",
+    "TECHNIQUES",
+    "AlgoConfig",
+    "aggregate",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae",
+    "gather_logprobs",
+    "group_advantages",
+    "length_adaptive_lambda",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "overlong_penalty",
+    "place_terminal_rewards",
+    "policy_loss",
+    "positive_nll_loss",
+    "preset",
+    "value_loss",
+    "vapo_without",
+]
