@@ -1,0 +1,170 @@
+"""``python -m vapo_async.generator controller=tcp://HOST:PORT [model=DIR] [key=value ...]``
+
+Setup -> run -> cleanup:
+1. Build the engine from ``model`` (if given) while nothing else waits on it, then say hello to the
+   controller (retrying with backoff until it answers: a generator may start before the learner).
+   Without ``model`` the engine starts from the weights the controller's welcome announces (or,
+   before the learner's first publish, the first announcement), fetched over ZeroMQ into
+   ``weights_cache`` when the announced path is not readable on this machine.
+2. Serve leases (``GeneratorLoop``) until SIGTERM/SIGINT.
+3. Hand unfinished leases back (``bye``), shut the engine down, exit 0.
+
+Configuration errors (missing model, bad values, unreachable controller with ``connect_timeout_s``,
+refused initial weights) end with a one-line message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from vapo_async.generator.config import GeneratorConfig, register_configs
+from vapo_async.transport.weights import WeightsError
+
+if TYPE_CHECKING:
+    from vapo_async.transport.client import ControllerClient
+    from vapo_async.transport.messages import WeightAnnouncement, Welcome
+
+log = logging.getLogger("vapo_async.generator")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent_forks() -> None:
+    """Make processes forked from this one (vLLM's engine core) get SIGKILL when it dies, so a
+    generator killed with SIGKILL leaves no orphaned engine behind (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def _in_child() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    os.register_at_fork(after_in_child=_in_child)
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; forwards to the loop once there is one."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.on_stop: list[Callable[[], None]] = []
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+        self.event.set()
+        for fn in self.on_stop:
+            fn()
+
+
+def _connect(client: ControllerClient, cfg: GeneratorConfig, stop: StopFlag) -> Welcome | None:
+    """Hello until welcomed, stopped, or ``connect_timeout_s`` passes."""
+    deadline = None if cfg.connect_timeout_s is None else time.monotonic() + cfg.connect_timeout_s
+    while not stop.event.is_set():
+        try:
+            return client.connect(timeout_s=1.0)
+        except TimeoutError:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"no controller answered at {cfg.controller} within "
+                                   f"{cfg.connect_timeout_s} s") from None
+    return None
+
+
+def _first_announcement(client: ControllerClient, stop: StopFlag) -> WeightAnnouncement | None:
+    """Without ``model=``, wait (heartbeating) until the learner publishes its first weights."""
+    from vapo_async.transport.messages import WeightAnnouncement
+
+    log.info("no model= given: waiting for the controller to announce weights")
+    while not stop.event.is_set():
+        for msg in client.poll(200):
+            if isinstance(msg, WeightAnnouncement):
+                return msg
+    return None
+
+
+def run(cfg: GeneratorConfig) -> int:
+    """The whole generator process; returns its exit code."""
+    from vapo_async.generator.engine import VLLMEngine
+    from vapo_async.generator.loop import GeneratorLoop
+    from vapo_async.generator.sync import WeightSync
+    from vapo_async.rewards import build_reward_fn
+    from vapo_async.transport.client import ControllerClient
+
+    stop = StopFlag()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    die_with_parent_forks()
+    if cfg.model is not None and not (Path(cfg.model) / "config.json").is_file():
+        raise FileNotFoundError(f"model={cfg.model} is not a Hugging Face model directory (no config.json)")
+    generator_id = cfg.resolved_id()
+    cache = Path(cfg.weights_cache).expanduser() / generator_id
+    engine = VLLMEngine(cfg.model, cfg.engine, cfg.model_version) if cfg.model is not None else None
+    client = ControllerClient(replace(cfg.transport, endpoint=cfg.controller), generator_id,
+                              max_prompts=cfg.max_prompts)
+    reward_fn = build_reward_fn(cfg.reward)
+    try:
+        client.version = engine.version if engine is not None else 0
+        log.info("connecting to controller at %s as %s", cfg.controller, generator_id)
+        welcome = _connect(client, cfg, stop)
+        if welcome is None:
+            client.bye([])
+            return 0
+        if engine is None:
+            first = welcome.weights or _first_announcement(client, stop)
+            if first is None:
+                client.bye([])
+                return 0
+            welcome = replace(welcome, version=first.version, weights=first)  # it was published since
+            path = client.resolve_weights(first, cache)
+            engine = VLLMEngine(path, cfg.engine, first.version)
+            client.version = engine.version
+        weights = WeightSync(client, engine, cache, base_dir=cfg.model, base_version=cfg.model_version)
+        loop = GeneratorLoop(client, engine, weights, reward_fn, cfg.sampling, cfg.max_prompts,
+                             cfg.stats_interval_s)
+        stop.on_stop.append(loop.stop)
+        if stop.event.is_set():
+            loop.stop()
+        log.info("generator %s serving %s (engine version %d)", generator_id, cfg.controller, engine.version)
+        try:
+            loop.run(welcome)
+        finally:
+            loop.close()
+            log.info("final stats: %s", loop.snapshot())
+    finally:
+        client.close()
+        reward_fn.close()
+        if engine is not None:
+            engine.shutdown()
+    return 0
+
+
+register_configs()
+
+
+@hydra.main(config_path=None, config_name="generator", version_base=None)
+def main(dcfg: DictConfig) -> None:
+    logging.basicConfig(level=str(dcfg.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg: GeneratorConfig = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
+        code = run(cfg)
+    except (ValueError, FileNotFoundError, TimeoutError, WeightsError) as e:
+        log.debug("configuration error", exc_info=True)
+        print(f"vapo_async.generator: error: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

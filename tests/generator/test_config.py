@@ -1,0 +1,87 @@
+"""Generator configuration, CLI errors, version spans and process hygiene (no vLLM engine)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vapo_async.generator.config import EngineConfig, SamplingConfig
+from vapo_async.generator.engine import versions_from_spans
+from vapo_async.generator.launch import start_local_generators, stop_generators
+
+
+def test_welcome_sampling_overrides_the_config() -> None:
+    base = SamplingConfig(group_size=8, temperature=1.0, top_p=1.0, max_tokens=256)
+    got = base.with_welcome({"n": 4, "temperature": 0.6, "max_tokens": 64})
+    assert (got.group_size, got.temperature, got.top_p, got.max_tokens) == (4, 0.6, 1.0, 64)
+    assert base.group_size == 8  # a copy
+    with pytest.raises(ValueError, match="unknown sampling keys"):
+        base.with_welcome({"n": 4, "top_k": 20})
+    with pytest.raises(ValueError, match="top_p"):
+        base.with_welcome({"top_p": 0.0})
+
+
+def test_engine_config_refuses_inexact_async_scheduling() -> None:
+    EngineConfig(async_scheduling=True, multiprocessing=True)
+    with pytest.raises(ValueError, match="multiprocessing"):
+        EngineConfig(async_scheduling=True, multiprocessing=False)
+
+
+def test_versions_from_spans() -> None:
+    from vllm.outputs import WeightVersionSpan
+
+    # tokens 0-2 sampled by weights "3", tokens 3-4 by weights "4": [3, 3, 3, 4, 4]
+    spans = [WeightVersionSpan("3", 0, 3), WeightVersionSpan("4", 3, 5)]
+    np.testing.assert_array_equal(versions_from_spans(spans, 5), np.array([3, 3, 3, 4, 4], dtype=np.int32))
+    assert versions_from_spans(None, 0).shape == (0,)
+    with pytest.raises(RuntimeError, match="cover"):
+        versions_from_spans([WeightVersionSpan("3", 0, 3)], 5)  # tokens 3, 4 unlabelled
+    with pytest.raises(RuntimeError, match="no weight_versions"):
+        versions_from_spans(None, 2)
+
+
+def test_cli_errors_name_the_problem(tmp_path: Path) -> None:
+    bad = [["sampling.temprature=0.5"], [f"model={tmp_path}/missing"]]
+    handles = [start_local_generators(1, f"ipc://{tmp_path}/none", b, log_dir=tmp_path / str(i))[0]
+               for i, b in enumerate(bad)]
+    codes = [h.process.wait(timeout=120) for h in handles]
+    stop_generators(handles)
+    typo, missing = (h.log_path.read_text() for h in handles)
+    assert codes[0] != 0 and "Key 'temprature' not in 'SamplingConfig'" in typo
+    assert codes[1] == 2 and f"{tmp_path}/missing is not a Hugging Face model directory" in missing
+    assert "Traceback" not in typo + missing
+
+
+def test_forked_children_die_with_the_generator(tmp_path: Path) -> None:
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    script = (
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {src!r})\n"
+        "from vapo_async.generator.__main__ import die_with_parent_forks\n"
+        "die_with_parent_forks()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    time.sleep(60); os._exit(0)\n"
+        "print(pid, flush=True); time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)  # like kill -9 of a generator: no cleanup code runs
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail("the forked child outlived its SIGKILLed parent")
