@@ -10,6 +10,8 @@ Deliberate departures from the papers (each a documented choice where the paper 
   treated as if its valid tokens were adjacent (the value after a valid token is that of the next
   valid token, 0 after the last). Its outputs carry no gradient (advantages and returns are
   constants in PPO), and it computes in float32 at least (bfloat16/float16 inputs are upcast).
+  Two implementations, equal up to rounding: on CPU with numba installed, a compiled one-pass loop
+  (``vapo_async.algo.gae_cpu``); elsewhere (GPU, no numba) the blocked matmul scan below.
 - ``group_advantages`` uses the unbiased (Bessel) standard deviation like the common GRPO code,
   returns exactly 0 for a group whose rewards are all equal (the formula is 0/0 there) and 0 for
   G = 1 (no group to compare with).
@@ -17,8 +19,11 @@ Deliberate departures from the papers (each a documented choice where the paper 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
+from vapo_async.algo import gae_cpu
 from vapo_async.algo.scan import DEFAULT_CHUNK, reverse_scan
 
 BLOCK_ELEMS = 1 << 19
@@ -195,6 +200,7 @@ def gae(
     lam: float | torch.Tensor,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    backend: Literal["auto", "compiled", "torch"] = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation with a per-response lambda (VAPO sections 3.1-3.2).
 
@@ -203,7 +209,10 @@ def gae(
     Decoupled GAE calls this twice: lambda_critic = 1.0 for the critic's returns and lambda_policy
     (a float or the length-adaptive per-row tensor, eq. 5) for the policy's advantages.
 
-    Vectorised: a blocked matmul scan (``vapo_async.algo.scan``), no Python loop over T.
+    Two implementations (``backend``): "compiled", the recurrence as written walked once per row in
+    numba-compiled code (``vapo_async.algo.gae_cpu``; CPU only, one pass over memory), and
+    "torch", a blocked matmul scan (``vapo_async.algo.scan``) with no Python loop over T, for any
+    device. "auto" takes "compiled" for CPU tensors when numba is installed, else "torch".
 
     Args:
         rewards: (B, T) token rewards r_t (verifier setting: the score on the last valid token).
@@ -216,6 +225,8 @@ def gae(
         out: optional preallocated contiguous (B, T) (advantages, returns) buffers in float32 or
             float64 (the compute dtype) to write into, e.g. reused across calls: fresh
             multi-megabyte outputs cost a page fault per 4 KiB on first touch.
+        backend: "auto", "compiled" (raises unless the tensors are on CPU and numba is installed)
+            or "torch" (see above).
 
     Returns:
         (advantages, returns), both (B, T) in the promoted dtype of rewards and values (the
@@ -228,7 +239,10 @@ def gae(
     x = gamma * _lambda_tensor(lam, b, cdtype, rewards.device)
     valid = mask.view(torch.uint8) if mask.dtype == torch.bool else (mask != 0).view(torch.uint8)
     adv, ret = _outputs(out, b, t, cdtype, rewards.device)
-    if b and t:
+    if _use_compiled(backend, rewards.device):
+        to_c = (t_.detach().to(cdtype).contiguous() for t_ in (rewards, values))
+        gae_cpu.gae_rows_compiled(*to_c, valid.contiguous(), x, gamma, adv, ret)
+    elif b and t:
         rows = min(b, max(1, BLOCK_ELEMS // t))
         ws = _Workspace(rows, t, cdtype, rewards.device)
         with torch.no_grad():
@@ -247,6 +261,19 @@ def gae(
     if out is not None:
         return adv, ret
     return adv.to(out_dtype), ret.to(out_dtype)
+
+
+def _use_compiled(backend: str, device: torch.device) -> bool:
+    """Whether ``gae`` takes the compiled CPU path (see its ``backend`` argument)."""
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return device.type == "cpu" and gae_cpu.numba_available()
+    if backend != "compiled":
+        raise ValueError(f"gae: backend must be 'auto', 'compiled' or 'torch', got {backend!r}")
+    if device.type != "cpu" or not gae_cpu.numba_available():
+        raise ValueError(f"gae: backend='compiled' needs CPU tensors and numba installed (device {device}, numba installed: {gae_cpu.numba_available()})")
+    return True
 
 
 def _outputs(
