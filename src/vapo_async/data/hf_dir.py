@@ -40,10 +40,22 @@ class TinyQwen2Shape:
     """Longest prompt + response the model supports."""
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer on ``texts`` (deterministic for the same texts)."""
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 512, *, split_digits: bool = False
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts`` (deterministic for the same texts).
+
+    ``split_digits`` makes every digit its own token (numbers are never merged), which lets a tiny
+    model learn arithmetic digit by digit.
+    """
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(

@@ -1,1 +1,20 @@
-"""vapo_async.learner."""
+"""vapo_async.learner: the Lightning learner (``python -m vapo_async.learner``).
+
+    python -m vapo_async.learner                                   # the default run (tiny base, CPU)
+    python -m vapo_async.learner algo=dapo trainer=fsdp trainer.devices=8 model=qwen2.5-7b data=dapo_math
+    python -m vapo_async.learner hydra.run.dir=runs/x resume=true
+
+Modules (one stage each):
+    config      LearnerConfig and its nodes (Hydra ConfigStore ``learner_schema``)
+    __main__    setup -> run -> cleanup; one-line configuration errors (exit code 2)
+    module      LearnerModule: the training step (thin; maths in update, algo)
+    update      recompute pi_prox/values, decoupled GAE, PPO mini-batch updates on one rank
+    batching    groups -> sequences -> mini-batches, token-balanced rank shares, micro-batches
+    stream      rank 0 pulls groups from the controller; every rank gets its share (tensor scatter)
+    models      actor/critic loading, FSDP2 sharding, forward helpers
+    publish     gather the actor (FSDP2 full state dict on rank 0) and publish a weight version
+    runtime     controller and local generators beside rank 0 (Lightning callback)
+    metrics     TensorBoard scalars, histograms, sampled text; progress bar
+    checkpoint  last.ckpt every N steps, atomic; optimiser-state fingerprint for exact resume
+    evaluation  held-out accuracy (``eval/accuracy``) every M steps
+"""

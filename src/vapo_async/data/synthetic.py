@@ -1,0 +1,262 @@
+"""Synthetic multi-step arithmetic word problems with worked solutions (the embedded default task).
+
+A problem follows one person's count of some item through a sequence of events ("finds 5",
+"gives 7 to Ben", ...); each event adds or subtracts a number. The worked solution has one line per
+event, ``<event>: <before> <op> <k> = <after>``, and ends with ``Answer: N``. Its length grows with
+the number of events, from about 20 to about 200 tokens with the tiny tokenizer, so that
+length-dependent parts of the algorithm (length-adaptive GAE, token-level loss) have work to do.
+
+Events come in two kinds: *plain* events whose verb names the direction outright ("buys", "loses"),
+and *exchange* events between two people ("gives 7 to Ben", "gets 7 from Ben", "lends", "borrows").
+The tiny base model is pre-trained on imperfect solutions that flip the sign of exchange steps with
+some probability (see :func:`render_solution`), so its errors sit at few, identifiable decision
+tokens that reinforcement learning can sharpen.
+
+Train and held-out problems are disjoint for every seed: each problem's canonical form (start value,
+verbs, operands; not the names or items) is hashed with a fixed salt, and the hash decides its
+split. Sets are reproducible from ``(seed, difficulty, split)``.
+
+Departures: none (this task is ours, not a paper's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+from .templates import apply_template
+
+Split = Literal["train", "eval"]
+
+EVAL_FRACTION_PERCENT = 10
+"""Share of the canonical problem space routed to the held-out split (percent)."""
+_SPLIT_SALT = "vapo_async.synthetic.v1"
+
+NAMES = ("Ann", "Ben", "Cara", "Dan", "Eve", "Finn", "Gia", "Hal", "Ivy", "Jon", "Kim", "Leo")
+ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cards", "shells", "pencils")
+
+# verb -> (sign, needs a partner, preposition); exchange verbs are the error-prone ones.
+VERBS: dict[str, tuple[int, bool, str]] = {
+    "buys": (+1, False, ""),
+    "finds": (+1, False, ""),
+    "wins": (+1, False, ""),
+    "picks": (+1, False, ""),
+    "loses": (-1, False, ""),
+    "sells": (-1, False, ""),
+    "drops": (-1, False, ""),
+    "uses": (-1, False, ""),
+    "gets": (+1, True, "from"),
+    "borrows": (+1, True, "from"),
+    "gives": (-1, True, "to"),
+    "lends": (-1, True, "to"),
+}
+EXCHANGE_VERBS = tuple(v for v, (_, partner, _) in VERBS.items() if partner)
+EXCHANGE_SHARE = 0.5
+"""Probability that an event is an exchange (the kind imperfect solutions get wrong)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One event: ``verb`` ``k`` (to/from ``partner``) changes the running count by ``sign * k``."""
+
+    verb: str
+    k: int
+    partner: str = ""
+
+    @property
+    def sign(self) -> int:
+        """+1 for gains, -1 for losses."""
+        return VERBS[self.verb][0]
+
+    @property
+    def is_exchange(self) -> bool:
+        """Exchange steps (with a partner) are the ones imperfect solutions get wrong."""
+        return VERBS[self.verb][1]
+
+    def phrase(self) -> str:
+        """The event as written in the solution line, e.g. ``gives 7 to Ben``."""
+        if self.is_exchange:
+            return f"{self.verb} {self.k} {VERBS[self.verb][2]} {self.partner}"
+        return f"{self.verb} {self.k}"
+
+
+@dataclass(frozen=True)
+class SyntheticProblem:
+    """A word problem, its integer answer and its clean worked solution."""
+
+    question: str
+    """Problem text (no instruction; the prompt template adds that)."""
+    answer: int
+    """Correct final count."""
+    solution: str
+    """Clean worked solution, one line per step, last line ``Answer: N``."""
+    start: int = 0
+    """Count before the first event."""
+    steps: tuple[Step, ...] = ()
+    """The events in order."""
+    difficulty: int = 1
+    """Difficulty the problem was drawn at."""
+
+
+@dataclass(frozen=True)
+class DifficultySpec:
+    """What a difficulty level means: number of events and operand/value ranges."""
+
+    max_steps: int
+    """Most events in one problem (at least 1); short problems are more frequent than long."""
+    max_k: int
+    """Largest operand of one event."""
+    min_value: int
+    """Running count stays in [min_value, max_value] (same digit count: fixed layout per line)."""
+    max_value: int
+    """Upper end of the running count."""
+
+
+DIFFICULTIES: dict[int, DifficultySpec] = {
+    1: DifficultySpec(max_steps=6, max_k=9, min_value=10, max_value=99),
+    2: DifficultySpec(max_steps=12, max_k=9, min_value=10, max_value=99),
+    3: DifficultySpec(max_steps=14, max_k=19, min_value=10, max_value=99),
+    4: DifficultySpec(max_steps=16, max_k=49, min_value=100, max_value=999),
+}
+
+
+def difficulty_spec(difficulty: int) -> DifficultySpec:
+    """The spec of ``difficulty``; raises on an unknown level."""
+    if difficulty not in DIFFICULTIES:
+        raise ValueError(f"difficulty must be one of {sorted(DIFFICULTIES)}, got {difficulty}")
+    return DIFFICULTIES[difficulty]
+
+
+def canonical_key(start: int, steps: tuple[Step, ...]) -> str:
+    """Surface-free identity of a problem (names and items excluded) used for split routing."""
+    return f"{start}|" + ";".join(f"{s.verb}{s.k}" for s in steps)
+
+
+def split_of(start: int, steps: tuple[Step, ...]) -> Split:
+    """Route a problem to ``train`` or ``eval`` by a salted hash of its canonical form."""
+    digest = hashlib.sha256(f"{_SPLIT_SALT}|{canonical_key(start, steps)}".encode()).digest()
+    return "eval" if int.from_bytes(digest[:8], "big") % 100 < EVAL_FRACTION_PERCENT else "train"
+
+
+def _num_steps(rng: random.Random, max_steps: int) -> int:
+    """Skewed towards short problems: 85% from [1, 5/12 max], 15% from the rest up to max
+    (difficulty 2: 1-5 or 6-12 steps, mean ~3.9, i.e. ~80 solution tokens)."""
+    short = max(1, max_steps * 5 // 12)
+    if short == max_steps or rng.random() < 0.85:
+        return rng.randint(1, short)
+    return rng.randint(short + 1, max_steps)
+
+
+def _draw_steps(
+    rng: random.Random, start: int, n: int, spec: DifficultySpec, names: list[str]
+) -> tuple[Step, ...]:
+    """Draw ``n`` events whose correct running count stays within [min_value, max_value]."""
+    steps: list[Step] = []
+    value = start
+    plain = [v for v in VERBS if v not in EXCHANGE_VERBS]
+    while len(steps) < n:
+        verb = rng.choice(EXCHANGE_VERBS if rng.random() < EXCHANGE_SHARE else plain)
+        k = rng.randint(1, spec.max_k)
+        new = value + VERBS[verb][0] * k
+        if not spec.min_value <= new <= spec.max_value:
+            continue
+        partner = rng.choice(names) if VERBS[verb][1] else ""
+        steps.append(Step(verb, k, partner))
+        value = new
+    return tuple(steps)
+
+
+def _question(name: str, item: str, start: int, steps: tuple[Step, ...]) -> str:
+    events = ", ".join(f"({i}) {s.phrase()}" for i, s in enumerate(steps, start=1))
+    return f"{name} has {start} {item}. Then {name} {events}. How many {item} does {name} have now?"
+
+
+def render_solution(start: int, steps: tuple[Step, ...], flips: frozenset[int] = frozenset()) -> str:
+    """Worked solution; steps whose index is in ``flips`` use the wrong sign (error propagates)."""
+    lines = [f"Start: {start}"]
+    value = start
+    for i, s in enumerate(steps):
+        sign = -s.sign if i in flips else s.sign
+        new = value + sign * s.k
+        lines.append(f"({i + 1}) {s.phrase()}: {value} {'+' if sign > 0 else '-'} {s.k} = {new}")
+        value = new
+    lines.append(f"Answer: {value}")
+    return "\n".join(lines)
+
+
+def solution_answer(start: int, steps: tuple[Step, ...], flips: frozenset[int] = frozenset()) -> int:
+    """Final count of :func:`render_solution` with the same ``flips``."""
+    value = start
+    for i, s in enumerate(steps):
+        value += (-s.sign if i in flips else s.sign) * s.k
+    return value
+
+
+def _draw_problem(rng: random.Random, spec: DifficultySpec, difficulty: int) -> SyntheticProblem:
+    name, *others = rng.sample(NAMES, 4)
+    item = rng.choice(ITEMS)
+    start = rng.randint(spec.min_value, spec.max_value)
+    steps = _draw_steps(rng, start, _num_steps(rng, spec.max_steps), spec, others)
+    return SyntheticProblem(
+        question=_question(name, item, start, steps),
+        answer=solution_answer(start, steps),
+        solution=render_solution(start, steps),
+        start=start,
+        steps=steps,
+        difficulty=difficulty,
+    )
+
+
+def make_problems(n: int, seed: int, difficulty: int = 2, split: Split = "train") -> list[SyntheticProblem]:
+    """``n`` distinct problems of ``split`` (disjoint from the other split), reproducible from ``seed``."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    spec = difficulty_spec(difficulty)
+    rng = random.Random(f"{seed}|{difficulty}|{split}")
+    seen: set[str] = set()
+    out: list[SyntheticProblem] = []
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 200 * n + 10_000:
+            raise RuntimeError(f"could not draw {n} distinct {split} problems at difficulty {difficulty}")
+        p = _draw_problem(rng, spec, difficulty)
+        key = canonical_key(p.start, p.steps)
+        if key in seen or split_of(p.start, p.steps) != split:
+            continue
+        seen.add(key)
+        out.append(p)
+    return out
+
+
+def imperfect_solution(problem: SyntheticProblem, rng: random.Random, error_rate: float) -> str:
+    """A worked solution that flips the sign of each exchange step with probability ``error_rate``.
+
+    A flip is skipped when the path it starts (later steps with their own signs) would leave
+    [min_value, max_value], so wrong paths keep the layout of right ones.
+    """
+    spec = difficulty_spec(problem.difficulty)
+    flips: set[int] = set()
+    value = problem.start
+    for i, s in enumerate(problem.steps):
+        sign = s.sign
+        if s.is_exchange and rng.random() < error_rate:
+            rest = value - sign * s.k
+            path = [rest]
+            for later in problem.steps[i + 1 :]:
+                rest += later.sign * later.k
+                path.append(rest)
+            if all(spec.min_value <= v <= spec.max_value for v in path):
+                sign = -sign
+                flips.add(i)
+        value += sign * s.k
+    return render_solution(problem.start, problem.steps, frozenset(flips))
+
+
+def prompt_text(problem: SyntheticProblem, template: str = "answer_line") -> str:
+    """The prompt the engine sees for ``problem``: ``template`` (see ``data.templates``) around it."""
+    return apply_template(problem.question, template)

@@ -1,0 +1,216 @@
+"""``python -m vapo_async.learner [overrides]``: the training run (learner + controller + generators).
+
+Setup -> run -> cleanup:
+1. Setup: compose and check the config (an invalid override or value ends with a one-line error
+   naming the key, exit code 2); resolve the model (build/reuse the tiny base when
+   ``model.path`` is null); build the LightningModule, the callbacks (runtime, metrics, checkpoints,
+   held-out eval), the TensorBoard logger under ``RUN_DIR/tb`` and the Trainer. Print the
+   TensorBoard command.
+2. Run: ``trainer.fit`` (from ``RUN_DIR/checkpoints/last.ckpt`` with ``resume=true``).
+3. Cleanup: local generators and the controller stop (also on errors: the runtime callback's
+   ``on_exception``/``teardown``); the weight writer thread is joined.
+
+``hydra.run.dir=DIR`` places the run (default ``runs/<date>_<time>``): ``DIR/tb``,
+``DIR/checkpoints/last.ckpt``, ``DIR/weights/v00000001/...``, ``DIR/generators/*.log``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from vapo_async.learner.config import ConfigError, LearnerConfig, register_configs
+
+log = logging.getLogger("vapo_async.learner")
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def resolve_model(cfg: LearnerConfig) -> str:
+    """The base model directory: ``model.path``, or the tiny base built/reused from ``model.tiny``."""
+    if cfg.model.path is None:
+        from vapo_async.data.tiny_base import ensure_tiny_base
+
+        return str(ensure_tiny_base(cfg.model.tiny_base_config()))
+    path = Path(cfg.model.path).expanduser()
+    if not path.exists() and cfg.model.path.count("/") == 1:  # a hub id: the local snapshot (cached or fetched)
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = Path(snapshot_download(cfg.model.path))
+        except Exception as e:  # offline, unknown id, ...: one line naming the key
+            raise ConfigError(f"model.path={cfg.model.path}: no local directory and the hub download failed "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path={cfg.model.path}: not a Hugging Face model directory (no config.json)")
+    return str(path)
+
+
+def load_data(cfg: LearnerConfig) -> tuple[list[Any], list[Any]]:
+    """(train prompts, held-out prompts for ``eval``); a missing or malformed dataset is a
+    ConfigError naming the file and line."""
+    from vapo_async.data import DatasetError, load_prompts
+
+    try:
+        train = load_prompts(cfg.data, "train")
+        held_out = load_prompts(cfg.data, "eval")[: cfg.eval.n_prompts] if cfg.eval.every_n_steps > 0 else []
+    except (DatasetError, OSError) as e:
+        raise ConfigError(f"data: {one_line(e)}") from e
+    if not train:
+        raise ConfigError(f"data.name={cfg.data.name}: the train split has no prompts")
+    if cfg.eval.every_n_steps > 0 and not held_out:
+        raise ConfigError(f"eval.every_n_steps={cfg.eval.every_n_steps} but data.name={cfg.data.name} has no "
+                          "eval split (set eval.every_n_steps=0)")
+    return train, held_out
+
+
+def device_count(accelerator: str, devices: Any) -> int:
+    """Processes per node that ``trainer.devices`` asks for (list, int, "auto" or -1)."""
+    import torch
+
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str) and devices.isdigit():
+        return int(devices)
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    return max(torch.cuda.device_count(), 1) if gpu else 1
+
+
+def build_strategy(cfg: LearnerConfig) -> tuple[Any, str]:
+    """(Lightning strategy, Lightning precision) for ``trainer.strategy`` / ``trainer.precision``."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    t = cfg.trainer
+    devices = device_count(t.accelerator, t.devices)
+    name = t.strategy
+    if name == "auto":
+        name = "single" if devices * t.num_nodes == 1 else "fsdp"
+    if name == "single":
+        return "auto", str(t.precision)
+    strategy = ModelParallelStrategy(data_parallel_size=devices * t.num_nodes, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=cfg.checkpoint.distributed)
+    # FSDP2 applies bf16 itself (MixedPrecisionPolicy in models.shard); Lightning keeps fp32
+    precision = "32-true" if str(t.precision).startswith("bf16") else str(t.precision)
+    return strategy, precision
+
+
+def run(cfg: LearnerConfig, run_dir: Path) -> Any:
+    """Set up and run training in ``run_dir``; returns the fitted module."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from transformers import AutoConfig, AutoTokenizer
+
+    from vapo_async.learner.checkpoint import LAST, Checkpointing
+    from vapo_async.learner.config import trainer_kwargs, validate
+    from vapo_async.learner.evaluation import HeldOutEval
+    from vapo_async.learner.metrics import TensorBoardMetrics
+    from vapo_async.learner.module import LearnerModule
+    from vapo_async.learner.runtime import Runtime, engine_context
+
+    validate(cfg)
+    ckpt = run_dir / "checkpoints" / LAST
+    if cfg.resume and not ckpt.exists():
+        raise ConfigError(f"resume=true: no checkpoint at {ckpt} (hydra.run.dir must be the earlier run's)")
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    model_path = resolve_model(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    vocab_size = int(AutoConfig.from_pretrained(model_path).vocab_size)
+    module = LearnerModule(cfg, model_path, run_dir)
+    strategy, precision = build_strategy(cfg)
+    logger = TensorBoardLogger(save_dir=str(run_dir), name="tb", version="", default_hp_metric=False)
+    trainer = L.Trainer(**trainer_kwargs(cfg.trainer), strategy=strategy, precision=precision,
+                        max_steps=cfg.trainer.max_steps, max_epochs=-1, logger=logger,
+                        default_root_dir=str(run_dir), enable_checkpointing=False, use_distributed_sampler=False)
+    rank0 = trainer.global_rank == 0
+    train, held_out = load_data(cfg) if rank0 else ([], [])  # only rank 0 leases and evaluates
+    runtime = Runtime(cfg, model_path, run_dir, vocab_size, tokenizer, train)
+    trainer.callbacks.extend([
+        runtime,
+        TensorBoardMetrics(cfg.logging, tokenizer),
+        Checkpointing(run_dir / "checkpoints", cfg.checkpoint.every_n_steps, cfg.checkpoint.fingerprint),
+        HeldOutEval(cfg.eval, held_out, cfg.reward, cfg.sampling.max_tokens, model_path, tokenizer, cfg.seed,
+                    max_model_len=engine_context(held_out, tokenizer, cfg.eval.max_tokens or cfg.sampling.max_tokens)),
+    ])
+    if rank0 and cfg.logging.print_tensorboard_command:
+        print(f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}", flush=True)
+    try:
+        trainer.fit(module, ckpt_path=str(ckpt) if cfg.resume else None, weights_only=True)
+    finally:
+        runtime.shutdown()
+        if module.publishing is not None:
+            module.publishing.close()
+    return module
+
+
+def one_line(e: BaseException) -> str:
+    """A single line naming the problem (Hydra/OmegaConf messages span several lines)."""
+    parts = []
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        lines = [ln.strip() for ln in str(cur).splitlines() if ln.strip() and ln.strip() != "None"]
+        if lines:
+            parts.append(lines[0])
+            parts += [ln for ln in lines[1:] if ln.startswith("full_key:")]
+        cur = cur.__cause__ or cur.__context__
+    text = " | ".join(list(dict.fromkeys(parts))[:3]) or type(e).__name__
+    return text.replace("\n", " ")
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Compose the config with ``overrides`` and build the typed object; raise ConfigError with
+    one line on any problem (unknown key, bad type, failed validation)."""
+    from hydra import compose, initialize_config_dir
+
+    from vapo_async.learner.config import validate
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None, job_name="check"):
+            dcfg = compose(config_name="learner", overrides=overrides)
+        validate(OmegaConf.to_object(dcfg))  # type: ignore[arg-type]
+    except ConfigError:
+        raise
+    except Exception as e:  # reported as one line and exit code 2 by main()
+        raise ConfigError(one_line(e)) from e
+
+
+register_configs()
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="learner", version_base=None)
+def _hydra_main(dcfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        cfg: LearnerConfig = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
+        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except ConfigError as e:  # Hydra would print a traceback and exit 1
+        print(f"vapo_async.learner: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    """Entry point: check the overrides (one-line errors), then hand over to Hydra."""
+    overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
+    try:
+        if "LOCAL_RANK" not in os.environ:  # Lightning's rank > 0 processes re-run a checked command
+            check_overrides(overrides)
+        _hydra_main()
+    except ConfigError as e:
+        print(f"vapo_async.learner: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""Typed configuration of ``python -m vapo_async.learner`` (Hydra; ``conf/learner.yaml``).
+
+Every node is a dataclass registered in Hydra's ConfigStore (``learner_schema``), so a typo in an
+override is an error. ``trainer`` holds ``lightning.Trainer`` arguments: the common ones are fields
+here; any other Trainer argument can be added with ``+trainer.NAME=VALUE`` and is checked against
+``Trainer.__init__``. ``algo`` is ``vapo_async.algo.presets.AlgoConfig`` (presets in conf/algo/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from vapo_async.algo.presets import AlgoConfig
+from vapo_async.controller.config import ControllerConfig
+from vapo_async.data import DataConfig
+from vapo_async.data.tiny_base import TinyBaseConfig
+from vapo_async.rewards import RewardConfig
+
+STRATEGIES = ("auto", "single", "ddp", "fsdp")
+
+
+def _mutable_mirror(cls: type, name: str) -> type:
+    """A non-frozen dataclass with the fields and defaults of frozen ``cls`` (OmegaConf makes frozen
+    dataclasses read-only, which would forbid overrides)."""
+    hints = typing.get_type_hints(cls)
+    specs = [(f.name, hints[f.name], field(default=f.default)) for f in dataclasses.fields(cls)]
+    mirror = dataclasses.make_dataclass(name, specs)
+    mirror.__doc__ = f"Mutable mirror of ``{cls.__module__}.{cls.__name__}`` (field docs there)."
+    return mirror
+
+
+TinyModelConfig = _mutable_mirror(TinyBaseConfig, "TinyModelConfig")
+
+
+@dataclass
+class ModelConfig:
+    """Which model the actor and critic start from."""
+
+    name: str = "tiny"
+    """Label of the preset (conf/model/NAME.yaml); informative only."""
+    path: str | None = None
+    """Hugging Face directory (or hub id where the hub is reachable); None = the tiny base model,
+    built on first use from ``tiny`` and cached."""
+    critic_path: str | None = None
+    """Reward-model directory to initialise the critic from (one-label token head); None = the
+    base model's backbone with a zero value head."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # type: ignore[valid-type]
+    """Tiny-base build settings (used when ``path`` is None)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (saves memory on long responses)."""
+
+    def tiny_base_config(self) -> TinyBaseConfig:
+        """``tiny`` as the data package's (frozen) ``TinyBaseConfig``."""
+        return TinyBaseConfig(**dataclasses.asdict(self.tiny))
+
+
+@dataclass
+class SamplingConfig:
+    """How generators sample (sent to every generator in the controller's welcome)."""
+
+    temperature: float = 1.0
+    """Softmax temperature; the learner divides its logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus mass (keep 1.0 for training: < 1 truncates the behaviour distribution)."""
+    max_tokens: int = 256
+    """Most tokens per response (longer ones are truncated and marked)."""
+
+
+@dataclass
+class GeneratorsConfig:
+    """Generator processes the learner starts itself (more can join from anywhere)."""
+
+    local: int = 1
+    """Local generator processes started by learner rank 0 and stopped on exit."""
+    max_prompts: int = 8
+    """Prompts each local generator keeps in flight (its credit)."""
+    max_model_len: int | None = None
+    """Engine context length; None = longest prompt + sampling.max_tokens, rounded up to 64."""
+    kv_cache_bytes: int | None = None
+    """Engine KV-cache size (CPU default 256 MiB, see the generator config)."""
+    overrides: list[str] = field(default_factory=list)
+    """Extra Hydra overrides of conf/generator.yaml for local generators (e.g. engine.seed=3)."""
+    env: list[str] = field(default_factory=list)
+    """Extra environment of local generators, ``KEY=VALUE`` (e.g. VLLM_CPU_OMP_THREADS_BIND=1)."""
+    stop_timeout_s: float = 30.0
+    """How long local generators get to leave on SIGTERM before SIGKILL."""
+
+
+@dataclass
+class BatchingConfig:
+    """How a global batch is cut for the hardware (does not change the maths)."""
+
+    micro_batch_tokens: int = 16384
+    """Padded tokens per forward/backward micro-batch (memory bound)."""
+    micro_batch_overhead_tokens: int = 256
+    """Cost of one more micro-batch in token-equivalents (launch/Python overhead): micro-batches
+    are cut where the padding saved exceeds it (larger on GPUs, e.g. 2048)."""
+    batch_timeout_s: float = 1800.0
+    """Longest wait for rollouts in one step before the learner gives up with an error."""
+    max_sampling_rounds: int = 8
+    """Dynamic sampling / stale refills: most pulls per step (then train on a partial batch)."""
+
+
+@dataclass
+class LoggingConfig:
+    """TensorBoard output."""
+
+    histograms_every_n_steps: int = 5
+    """Staleness and behaviour-weight histograms every N steps (0 = never)."""
+    text_every_n_steps: int = 10
+    """Sampled responses as text every N steps (0 = never)."""
+    text_samples: int = 4
+    """Responses shown each time."""
+    print_tensorboard_command: bool = True
+    """Print ``tensorboard --logdir ...`` at start-up."""
+
+
+@dataclass
+class EvalConfig:
+    """Held-out accuracy during training (``eval/accuracy``), sampled on learner rank 0."""
+
+    every_n_steps: int = 0
+    """Evaluate every N training steps (0 = never; also at step 0 when > 0)."""
+    n_prompts: int = 64
+    """Held-out prompts (from ``data``'s eval split)."""
+    samples: int = 16
+    """Samples per prompt (the metric is avg@samples)."""
+    temperature: float = 1.0
+    """Sampling temperature of the evaluation."""
+    max_tokens: int | None = None
+    """Response limit; None = sampling.max_tokens."""
+    batch_size: int = 256
+    """Sequences generated together (``hf`` engine)."""
+    background: bool = True
+    """Evaluate in a thread beside training (at most one at a time) instead of pausing it."""
+    engine: str = "vllm"
+    """Sampler: ``vllm`` (one engine in rank 0's process, reloaded per version) or ``hf``
+    (transformers generate: no extra engine, much slower on CPU)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Lightning checkpoints under ``RUN_DIR/checkpoints`` and published weights."""
+
+    every_n_steps: int = 10
+    """Save ``last.ckpt`` every N training steps (and at the end)."""
+    distributed: bool = False
+    """FSDP2: each rank writes its shards (a directory) instead of one full file on rank 0."""
+    keep_weights: int = 3
+    """Published weight versions kept under ``RUN_DIR/weights`` (>= 2)."""
+    fingerprint: bool = True
+    """Log a sha256 of the optimiser states when saving and after resuming (exact-resume check)."""
+
+
+@dataclass
+class _TrainerCore:
+    """The ``lightning.Trainer`` arguments this project interprets (the rest: see TrainerConfig)."""
+
+    accelerator: str = "auto"
+    """cpu, gpu, auto."""
+    devices: Any = 1
+    """Devices (processes) per node: int, list or "auto"."""
+    num_nodes: int = 1
+    """Nodes (multi-node via torchrun or SLURM)."""
+    strategy: str = "auto"
+    """auto (single device, or fsdp on several), single, ddp (FSDP2 replicate-only mesh), fsdp
+    (FSDP2 fully_shard per block through Lightning's ModelParallelStrategy)."""
+    precision: Any = "32-true"
+    """32-true, or bf16-mixed on GPUs (FSDP2 mixed precision: bf16 compute, fp32 reduce)."""
+    max_steps: int = 200
+    """Training steps (global batches), value-pretraining steps included."""
+    log_every_n_steps: int = 1
+    """Lightning's own logging period."""
+    enable_progress_bar: bool = True
+    """Show the progress bar (step, reward, accuracy)."""
+    enable_model_summary: bool = False
+    """Print Lightning's model summary."""
+    num_sanity_val_steps: int = 0
+    """No validation loop is used."""
+
+
+OWNED_TRAINER_ARGS = ("logger", "callbacks", "plugins", "default_root_dir", "max_epochs",
+                      "enable_checkpointing", "use_distributed_sampler", "accumulate_grad_batches",
+                      "gradient_clip_val", "gradient_clip_algorithm")
+"""Trainer arguments the learner sets itself (manual optimisation, its own logger, callbacks and
+run directory); setting them is an error."""
+
+
+def _trainer_config_class() -> type:
+    """``_TrainerCore`` plus every other ``lightning.Trainer.__init__`` argument as an ``Any``
+    field with Lightning's default, so ``trainer.NAME=VALUE`` works for all of them and a typo is
+    an error."""
+    import lightning
+
+    params = inspect.signature(lightning.Trainer.__init__).parameters
+    core = {f.name for f in dataclasses.fields(_TrainerCore)}
+    extra = [(n, Any, field(default=p.default)) for n, p in params.items()
+             if n != "self" and n not in core and p.default is not inspect.Parameter.empty
+             and isinstance(p.default, (int, float, str, bool, type(None)))]
+    cls = dataclasses.make_dataclass("TrainerConfig", extra, bases=(_TrainerCore,))
+    cls.__doc__ = ("``lightning.Trainer`` arguments: the documented ones of ``_TrainerCore`` plus every "
+                   "other Trainer argument (see Lightning's Trainer docs).")
+    return cls
+
+
+TrainerConfig = _trainer_config_class()
+
+
+@dataclass
+class LearnerConfig:
+    """The whole run: ``python -m vapo_async.learner [overrides]``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Actor/critic initialisation."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Algorithm (presets vapo, ppo, grpo, dapo in conf/algo/)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts (train split leased to generators, eval split for ``eval``)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Generator sampling settings."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward settings given to local generators (remote ones must use the same)."""
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    """Controller (endpoints, leases, prompt order)."""
+    generators: GeneratorsConfig = field(default_factory=GeneratorsConfig)
+    """Local generator processes."""
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    """Micro-batching and batch assembly."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # type: ignore[valid-type]
+    """Lightning Trainer flags."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """TensorBoard output."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation during training."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and published weights."""
+    seed: int = 0
+    """Seed of model init randomness and mini-batch shuffling."""
+    threads: int | None = None
+    """torch CPU threads of each learner process (None: torch's default, the core count)."""
+    resume: bool = False
+    """Continue from ``RUN_DIR/checkpoints/last.ckpt`` (step, version, controller, optimisers, RNG)."""
+
+
+class ConfigError(ValueError):
+    """An invalid setting; the message names the key."""
+
+
+def trainer_kwargs(trainer: Any) -> dict[str, Any]:
+    """Keyword arguments for ``lightning.Trainer`` from the ``trainer`` node, without the ones the
+    learner interprets itself (strategy, precision, max_steps) or owns (``OWNED_TRAINER_ARGS``)."""
+    values = {f.name: getattr(trainer, f.name) for f in dataclasses.fields(trainer)}
+    for key in OWNED_TRAINER_ARGS:
+        if values.get(key) is not None and key in values:
+            default = inspect.signature(_lightning_trainer().__init__).parameters[key].default
+            if values[key] != default:
+                raise ConfigError(f"trainer.{key}: set by the learner itself, cannot be overridden")
+        values.pop(key, None)
+    for key in ("strategy", "precision", "max_steps"):
+        values.pop(key)
+    return values
+
+
+def _lightning_trainer() -> type:
+    import lightning
+
+    return lightning.Trainer
+
+
+def validate(cfg: LearnerConfig) -> None:
+    """Cross-field checks (each error names its key)."""
+    trainer_kwargs(cfg.trainer)
+    if cfg.trainer.strategy not in STRATEGIES:
+        raise ConfigError(f"trainer.strategy={cfg.trainer.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if cfg.trainer.max_steps < 1:
+        raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps}: must be >= 1")
+    for item in cfg.generators.env:
+        if "=" not in item or not item.split("=", 1)[0]:
+            raise ConfigError(f"generators.env: {item!r} is not KEY=VALUE")
+    if cfg.eval.engine not in ("vllm", "hf"):
+        raise ConfigError(f"eval.engine={cfg.eval.engine!r}: choose vllm or hf")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ConfigError(f"threads={cfg.threads}: must be >= 1 or null")
+    if cfg.generators.local < 0:
+        raise ConfigError(f"generators.local={cfg.generators.local}: must be >= 0")
+    if cfg.batching.micro_batch_tokens < 1:
+        raise ConfigError(f"batching.micro_batch_tokens={cfg.batching.micro_batch_tokens}: must be >= 1")
+    if cfg.checkpoint.keep_weights < 2:
+        raise ConfigError(f"checkpoint.keep_weights={cfg.checkpoint.keep_weights}: must be >= 2")
+    if cfg.sampling.temperature <= 0:
+        raise ConfigError(f"sampling.temperature={cfg.sampling.temperature}: must be > 0 (the learner "
+                          "divides logits by it)")
+    if cfg.reward.overlong_shaping:
+        raise ConfigError("reward.overlong_shaping=true: use algo.overlong_shaping=true instead (the learner "
+                          "adds DAPO's overlong penalty itself, with L_max = sampling.max_tokens and "
+                          "L_cache = reward.overlong_cache_tokens, so remote generators need no setting)")
+    if cfg.algo.overlong_shaping and not 0 <= cfg.reward.overlong_cache_tokens <= cfg.sampling.max_tokens:
+        raise ConfigError(f"reward.overlong_cache_tokens={cfg.reward.overlong_cache_tokens}: must be in "
+                          f"[0, sampling.max_tokens={cfg.sampling.max_tokens}] with algo.overlong_shaping")
+
+
+def register_configs() -> None:
+    """Register ``LearnerConfig`` as ``learner_schema`` and every ``algo.presets.PRESETS`` entry as
+    ``algo/NAME_preset`` in Hydra's ConfigStore."""
+    from hydra.core.config_store import ConfigStore
+
+    from vapo_async.algo.presets import PRESETS
+
+    cs = ConfigStore.instance()
+    cs.store(name="learner_schema", node=LearnerConfig)
+    for name, preset in PRESETS.items():  # conf/algo/NAME.yaml builds on these
+        cs.store(group="algo", name=f"{name}_preset", node=preset)

@@ -1,0 +1,118 @@
+"""TensorBoard output of the learner (rank 0): scalars, histograms, sampled responses, progress bar.
+
+Scalar tags written every step (at least): ``rollout/reward_mean``, ``rollout/accuracy``,
+``rollout/response_length_mean``, ``actor/pg_loss``, ``actor/clip_fraction``, ``actor/entropy``,
+``actor/behav_weight_mean``, ``actor/nll_loss``, ``critic/value_loss``, ``critic/explained_variance``,
+``async/staleness_mean``, ``async/dropped_stale``, ``perf/learner_tokens_per_s``,
+``perf/generator_tokens_per_s``, ``perf/learner_idle_fraction``, plus the controller's
+``controller/*`` and ``transport/*`` counters (``transport/rejected`` among them). Histograms:
+``async/staleness`` (per token) and ``actor/behav_weight`` (pi_prox / pi_behav per token, rank 0's
+share). Text: ``samples/responses`` every ``logging.text_every_n_steps``.
+
+The x axis of every tag is the number of training steps completed (step k's metrics at k + 1;
+the held-out evaluation of the base model at 0). Metrics a step does not produce (the actor's during value pretraining, the critic's for GRPO) are
+not written for that step rather than written as 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import lightning as L
+import numpy as np
+from lightning.pytorch.callbacks import Callback
+
+from vapo_async.learner.config import LoggingConfig
+from vapo_async.learner.stream import token_staleness
+
+REQUIRED_TAGS = (
+    "rollout/reward_mean", "rollout/accuracy", "rollout/response_length_mean", "actor/pg_loss",
+    "actor/clip_fraction", "actor/entropy", "actor/behav_weight_mean", "actor/nll_loss",
+    "critic/value_loss", "critic/explained_variance", "async/staleness_mean", "async/dropped_stale",
+    "perf/learner_tokens_per_s", "perf/generator_tokens_per_s", "perf/learner_idle_fraction",
+)
+"""Tags a VAPO run writes (the issue's list; the end-to-end test checks them)."""
+
+PROGRESS = {"rollout/reward_mean": "reward", "rollout/accuracy": "acc", "train/version": "v",
+            "eval/accuracy": "eval"}
+"""Progress-bar names of a few scalars."""
+
+
+class ThroughputWindow:
+    """Tokens per second over the last ``n`` steps (wall time between step ends)."""
+
+    def __init__(self, n: int = 10) -> None:
+        self.events: collections.deque[tuple[float, float]] = collections.deque(maxlen=n + 1)
+
+    def add(self, tokens: float, now: float | None = None) -> float | None:
+        """Record a step's tokens; the rate over the window (None until two steps were seen)."""
+        self.events.append((time.monotonic() if now is None else now, tokens))
+        if len(self.events) < 2:
+            return None
+        span = self.events[-1][0] - self.events[0][0]
+        total = sum(t for _, t in list(self.events)[1:])
+        return total / span if span > 0 else None
+
+
+class TensorBoardMetrics(Callback):
+    """Writes the module's per-step record to TensorBoard and the progress bar."""
+
+    def __init__(self, cfg: LoggingConfig, tokenizer: Any) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.generated = ThroughputWindow()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        rec = pl_module.last  # type: ignore[attr-defined]
+        if rec is None:
+            return
+        metrics = dict(rec.metrics)
+        if trainer.global_rank == 0:
+            gen_rate = self.generated.add(metrics.get("rollout/response_tokens", 0.0))
+            if gen_rate is not None:
+                metrics["perf/generator_tokens_per_s"] = gen_rate
+            source = pl_module.source  # type: ignore[attr-defined]
+            if source is not None and hasattr(source, "metrics"):
+                metrics.update(source.metrics())
+        shown = dict(metrics)
+        for cb in trainer.callbacks:  # the latest held-out accuracy, for the progress bar only
+            last = getattr(cb, "last", None)
+            if isinstance(last, dict) and "eval/accuracy" in last:
+                shown["eval/accuracy"] = last["eval/accuracy"]
+        for key, name in PROGRESS.items():
+            if key in shown:
+                pl_module.log(name, shown[key], prog_bar=True, logger=False, rank_zero_only=True)
+        if trainer.global_rank != 0 or trainer.logger is None:
+            return
+        writer = trainer.logger.experiment
+        step = rec.step + 1  # x axis = training steps completed (held-out eval uses the same)
+        for tag, value in sorted(metrics.items()):
+            if np.isfinite(value):
+                writer.add_scalar(tag, value, step)
+        every = self.cfg.histograms_every_n_steps
+        if every > 0 and rec.step % every == 0 and rec.batch is not None:
+            self._histograms(writer, rec, step)
+        every = self.cfg.text_every_n_steps
+        if every > 0 and rec.step % every == 0 and rec.batch is not None and rec.batch.groups:
+            writer.add_text("samples/responses", self._samples(rec.batch.groups), step)
+
+    def _histograms(self, writer: Any, rec: Any, step: int) -> None:
+        stale = token_staleness(rec.batch.groups, rec.step_version)
+        if stale.size:
+            writer.add_histogram("async/staleness", stale, step)
+        if rec.behav_weights is not None and rec.behav_weights.numel():
+            writer.add_histogram("actor/behav_weight", rec.behav_weights.numpy(), step)
+
+    def _samples(self, groups: list[Any]) -> str:
+        """Markdown: the first responses of the first groups, with reward and correctness."""
+        parts = []
+        for g in groups[: self.cfg.text_samples]:
+            prompt = self.tokenizer.decode(np.asarray(g.prompt_ids).tolist(), skip_special_tokens=True)
+            resp = self.tokenizer.decode(np.asarray(g.response_ids[0]).tolist(), skip_special_tokens=True)
+            parts.append(f"**prompt** `{prompt[-300:]}`\n\n**response** (reward {float(g.rewards[0]):+.2f}, "
+                         f"correct {bool(g.correct[0])}, {len(g.response_ids[0])} tokens)\n\n    "
+                         + resp.replace("\n", "\n    "))
+        return "\n\n---\n\n".join(parts)

@@ -1,0 +1,141 @@
+"""The synthetic task: determinism, disjoint splits, length spread, correct clean solutions."""
+
+from __future__ import annotations
+
+import random
+import re
+import statistics
+
+import pytest
+
+from vapo_async.data import synthetic
+from vapo_async.data.hf_dir import train_tokenizer
+from vapo_async.data.synthetic import (
+    DIFFICULTIES,
+    VERBS,
+    canonical_key,
+    imperfect_solution,
+    make_problems,
+    prompt_text,
+    split_of,
+)
+
+LINE = re.compile(r"^\((?P<i>\d+)\) (?P<verb>[a-z]+) (?P<k>\d+)(?: (?:to|from) (?P<who>[A-Z][a-z]+))?: "
+                  r"(?P<a>-?\d+) (?P<op>[+-]) (?P<b>\d+) = (?P<c>-?\d+)$")
+
+
+def parse_solution(solution: str) -> tuple[int, list[dict[str, str]], int]:
+    """(start, step lines as regex groups, answer) of a worked solution; asserts its layout."""
+    lines = solution.split("\n")
+    start = re.fullmatch(r"Start: (\d+)", lines[0])
+    answer = re.fullmatch(r"Answer: (-?\d+)", lines[-1])
+    assert start and answer, solution
+    steps = []
+    for i, line in enumerate(lines[1:-1], start=1):
+        m = LINE.match(line)
+        assert m and int(m.group("i")) == i, f"bad step line {line!r}"
+        steps.append(m.groupdict())
+    return int(start.group(1)), steps, int(answer.group(1))
+
+
+def check_arithmetic(solution: str) -> tuple[int, list[dict[str, str]], int]:
+    """Every step line is true arithmetic chained on the previous result; Answer = last result."""
+    start, steps, answer = parse_solution(solution)
+    value = start
+    for s in steps:
+        a, b, c = int(s["a"]), int(s["b"]), int(s["c"])
+        assert a == value, f"step starts from {a}, previous result was {value}"
+        assert b == int(s["k"]), "operand differs from the event's number"
+        assert c == (a + b if s["op"] == "+" else a - b), f"wrong arithmetic in {s}"
+        value = c
+    assert answer == value
+    return start, steps, answer
+
+
+def test_same_seed_same_problems_other_seed_other_problems() -> None:
+    a = make_problems(40, seed=3, difficulty=2, split="train")
+    b = make_problems(40, seed=3, difficulty=2, split="train")
+    c = make_problems(40, seed=4, difficulty=2, split="train")
+    assert a == b
+    assert sum(x.question == y.question for x, y in zip(a, c, strict=True)) <= 2
+
+
+def test_splits_are_disjoint_for_every_seed_and_routed_by_hash() -> None:
+    train = {canonical_key(p.start, p.steps) for p in make_problems(3000, seed=0, split="train")}
+    for seed in (0, 1):
+        held = make_problems(400, seed=seed, split="eval")
+        keys = {canonical_key(p.start, p.steps) for p in held}
+        assert len(keys) == 400, "held-out problems repeat"
+        assert not keys & train
+        assert all(split_of(p.start, p.steps) == "eval" for p in held)
+    # The route does not depend on names or items: the same events always land in the same split.
+    p = make_problems(1, seed=0, split="eval")[0]
+    assert split_of(p.start, p.steps) == "eval"
+
+
+def test_clean_solutions_are_correct_step_by_step() -> None:
+    for difficulty in DIFFICULTIES:
+        for p in make_problems(300, seed=7, difficulty=difficulty, split="eval"):
+            start, steps, answer = check_arithmetic(p.solution)
+            assert answer == p.answer and start == p.start
+            assert [s["verb"] for s in steps] == [s.verb for s in p.steps]
+            # Each line's sign is the verb's meaning.
+            assert all((s["op"] == "+") == (VERBS[s["verb"]][0] > 0) for s in steps)
+            spec = DIFFICULTIES[difficulty]
+            assert 1 <= len(steps) <= spec.max_steps
+            assert all(spec.min_value <= int(s["c"]) <= spec.max_value and int(s["k"]) <= spec.max_k for s in steps)
+            at = 0
+            for i, s in enumerate(p.steps, start=1):  # the question states every event, in order
+                at = p.question.index(f" ({i}) {s.phrase()}", at) + 1
+
+
+def test_imperfect_solutions_flip_exchange_signs_and_propagate() -> None:
+    problems = make_problems(400, seed=1, split="train")
+    rng = random.Random(0)
+    flipped = wrong = 0
+    for p in problems:
+        assert imperfect_solution(p, rng, 0.0) == p.solution
+        text = imperfect_solution(p, rng, 1.0)
+        _, steps, answer = check_arithmetic(text)  # the arithmetic stays right, only signs flip
+        assert all(10 <= int(s["c"]) <= 99 for s in steps), "wrong paths keep two-digit values"
+        for s, line in zip(p.steps, steps, strict=True):
+            sign = 1 if line["op"] == "+" else -1
+            if not s.is_exchange:
+                assert sign == s.sign, "plain steps are never wrong"
+            flipped += sign != s.sign
+        wrong += answer != p.answer
+    assert flipped > 300 and wrong > 150  # error_rate 1.0 flips (almost) every exchange step
+
+
+def test_solution_lengths_spread_from_short_to_long() -> None:
+    problems = make_problems(1000, seed=0, split="eval")
+    tok = train_tokenizer([prompt_text(p) + p.solution for p in problems[:300]], 512, split_digits=True)
+    lengths = [len(tok(p.solution)["input_ids"]) for p in problems]
+    assert min(lengths) <= 30 and max(lengths) >= 180, (min(lengths), max(lengths))
+    assert 40 <= statistics.mean(lengths) <= 100
+    assert tok.tokenize("1234") == ["1", "2", "3", "4"]  # digits are single tokens
+
+
+def test_difficulty_knob_raises_steps_and_operands() -> None:
+    easy = make_problems(500, seed=0, difficulty=1, split="train")
+    hard = make_problems(500, seed=0, difficulty=4, split="train")
+    assert statistics.mean(len(p.steps) for p in hard) > statistics.mean(len(p.steps) for p in easy) + 2
+    assert max(s.k for p in hard for s in p.steps) > 9 >= max(s.k for p in easy for s in p.steps)
+
+
+def test_prompt_text_holds_question_and_answer_instruction() -> None:
+    p = make_problems(1, seed=0, split="eval")[0]
+    text = prompt_text(p)
+    assert text.startswith(p.question) and "Answer:" in text[len(p.question):]
+
+
+@pytest.mark.parametrize("bad", [{"difficulty": 9}, {"split": "test"}, {"n": -1}])
+def test_bad_arguments_fail_loudly(bad: dict[str, object]) -> None:
+    args: dict[str, object] = {"n": 3, "seed": 0, "difficulty": 2, "split": "train", **bad}
+    with pytest.raises(ValueError):
+        make_problems(**args)  # type: ignore[arg-type]
+
+
+def test_module_exports_problem_dataclass_fields() -> None:
+    p = synthetic.make_problems(1, 0)[0]
+    assert isinstance(p.question, str) and isinstance(p.answer, int) and p.solution.endswith(f"Answer: {p.answer}")

@@ -1,0 +1,32 @@
+"""Hand-made rollout groups for learner tests (deterministic, no engine needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vapo_async.transport.rollout import RolloutGroup
+
+
+def make_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0, version: int = 0,
+                max_prompt: int = 9, max_response: int = 14, min_response: int = 1) -> list[RolloutGroup]:
+    """Random groups: prompt/response lengths vary, log-probs in [-3, -0.05], rewards +-1 with the
+    correct flag matching the reward; every group has both signs unless G == 1."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for k in range(n_groups):
+        p = int(rng.integers(2, max_prompt + 1))
+        lens = rng.integers(min_response, max_response + 1, size=group_size)
+        correct = rng.random(group_size) < 0.5
+        if group_size > 1:
+            correct[0], correct[1] = True, False
+        groups.append(RolloutGroup(
+            lease_id=k, prompt_index=k, generator_id="test",
+            prompt_ids=rng.integers(3, vocab, size=p).astype(np.int32),
+            response_ids=[rng.integers(3, vocab, size=int(n)).astype(np.int32) for n in lens],
+            logprobs=[rng.uniform(-3.0, -0.05, size=int(n)).astype(np.float32) for n in lens],
+            versions=[np.full(int(n), version, dtype=np.int32) for n in lens],
+            rewards=np.where(correct, 1.0, -1.0).astype(np.float32),
+            correct=correct.astype(bool),
+            truncated=(lens == max_response),
+        ))
+    return groups

@@ -1,0 +1,194 @@
+"""The learner's loss on a fixed batch equals the ``algo`` functions applied by hand; value
+pretraining leaves the actor bit-identical."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from learner_helpers import make_groups
+
+from vapo_async.algo import losses as L
+from vapo_async.algo.advantages import gae, length_adaptive_lambda, place_terminal_rewards
+from vapo_async.algo.presets import PRESETS
+from vapo_async.algo.stats import masked_whiten
+from vapo_async.learner.batching import MinibatchNorms, Sequences, collate, make_plan
+from vapo_async.learner.models import load_actor, load_critic
+from vapo_async.learner.update import (
+    StepCounters,
+    actor_micro_loss,
+    compute_advantages,
+    critic_micro_loss,
+    ppo_updates,
+    recompute,
+)
+
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    torch.manual_seed(0)
+    actor = load_actor(tiny_model_dir)
+    critic = load_critic(tiny_model_dir)
+    with torch.no_grad():  # a non-zero value head so that values and GAE are not trivial
+        critic.score.weight.normal_(0.0, 0.05)
+    return actor, critic
+
+
+def _algo(**kw):
+    base = PRESETS["vapo"]
+    return dataclasses.replace(base, **kw)
+
+
+def _by_hand_logp(actor, seqs: Sequences) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, Tr) log-probs of the response tokens from one plain forward per sequence (no batching,
+    no padding), and the (S, Tr) mask: logits at position P + t - 1 predict response token t."""
+    lens = seqs.response_lens.tolist()
+    tr = max(lens)
+    logp = torch.zeros(seqs.n, tr)
+    mask = torch.zeros(seqs.n, tr)
+    off = 0
+    for i in range(seqs.n):
+        p, r = int(seqs.prompt_lens[i]), lens[i]
+        ids = seqs.tokens[off:off + p + r]
+        off += p + r
+        logits = actor(input_ids=ids[None]).logits[0].float() / TEMPERATURE  # (P + L, V)
+        lp = torch.log_softmax(logits[p - 1:p + r - 1], dim=-1)
+        logp[i, :r] = lp.gather(-1, ids[p:, None]).squeeze(-1)
+        mask[i, :r] = 1.0
+    return logp, mask
+
+
+def test_actor_loss_equals_algo_by_hand(models, tiny_model_dir):
+    actor, critic = models
+    algo = _algo(nll_coef=0.1, aggregation="token", whiten_advantages=True)
+    seqs = Sequences.from_groups(make_groups(3, 4, vocab=300, seed=11))
+    # micro-batches of <= 40 padded tokens: several micro-batches, so the scaling is exercised
+    plan = make_plan(seqs, 1, 1, 40, torch.Generator().manual_seed(0))
+    assert plan.n_micro[0] > 2
+    local = seqs.select(plan.rank_index[0])
+    slots = {}
+    for i, s in enumerate(plan.micro_id[0]):
+        slots.setdefault(s, []).append(i)
+    mbs = [collate(local, slots[s], pad_id=0) for s in sorted(slots)]
+    prep = recompute(actor, critic, mbs, TEMPERATURE)
+    compute_advantages(prep, algo)
+    actor.zero_grad()
+    counters = StepCounters()
+    total = sum(actor_micro_loss(actor, p, plan.norms[0], algo, TEMPERATURE, counters) for p in prep)
+    total.backward()
+    grads = [q.grad.clone() for q in actor.parameters()]
+
+    # by hand, on the whole batch at once in the original sequence order
+    actor.zero_grad()
+    logp, mask = _by_hand_logp(actor, local)
+    with torch.no_grad():
+        old = logp.detach()
+        values = torch.zeros_like(mask)
+        full = collate(local, list(range(local.n)), pad_id=0)
+        v_all = critic(input_ids=full.input_ids, attention_mask=full.attention_mask).logits.squeeze(-1)
+        for i in range(local.n):
+            p, r = int(local.prompt_lens[i]), int(local.response_lens[i])
+            values[i, :r] = v_all[i, p - 1:p + r - 1]
+        rewards = place_terminal_rewards(local.rewards, mask)
+        lam = length_adaptive_lambda(local.response_lens, algo.alpha)
+        adv, _ = gae(rewards, values, mask, algo.gamma, lam)
+        adv = masked_whiten(adv, mask)
+    behav = full.logp_behav
+    pg, _ = L.policy_loss(logp, old, behav, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
+                          behav_cap=algo.behav_cap, behav_mode=algo.behav_mode, aggregation=algo.aggregation)
+    nll = L.positive_nll_loss(logp, mask, local.correct)
+    expected = pg + algo.nll_coef * nll
+    expected.backward()
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
+    for g, q in zip(grads, actor.parameters(), strict=True):
+        torch.testing.assert_close(g, q.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_critic_loss_equals_algo_by_hand(models):
+    actor, critic = models
+    algo = _algo(value_clip=0.2)
+    seqs = Sequences.from_groups(make_groups(2, 4, vocab=300, seed=12))
+    plan = make_plan(seqs, 1, 1, 40, torch.Generator().manual_seed(1))
+    local = seqs.select(plan.rank_index[0])
+    slots = {}
+    for i, s in enumerate(plan.micro_id[0]):
+        slots.setdefault(s, []).append(i)
+    mbs = [collate(local, slots[s], pad_id=0) for s in sorted(slots)]
+    prep = recompute(actor, critic, mbs, TEMPERATURE)
+    compute_advantages(prep, algo)
+    counters = StepCounters()
+    norms = plan.norms[0]
+    total = sum(critic_micro_loss(critic, p, norms, algo, counters) for p in prep)
+    # by hand: one padded batch, returns from GAE with lambda_critic = 1 (= the terminal reward)
+    full = collate(local, list(range(local.n)), pad_id=0)
+    values = critic(input_ids=full.input_ids, attention_mask=full.attention_mask).logits.squeeze(-1)
+    values = values.gather(1, full.resp_index) * full.resp_mask
+    old = values.detach()
+    rewards = place_terminal_rewards(full.rewards, full.resp_mask)
+    _, ret = gae(rewards, old, full.resp_mask, 1.0, 1.0)
+    # lambda = 1, gamma = 1: every token's return is the sequence reward
+    torch.testing.assert_close(ret, full.rewards[:, None] * full.resp_mask)
+    expected, _ = L.value_loss(values, old, ret, full.resp_mask, clip=algo.value_clip,
+                               aggregation=algo.aggregation)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_value_pretraining_leaves_actor_bit_identical(tiny_model_dir):
+    torch.manual_seed(0)
+    actor = load_actor(tiny_model_dir)
+    critic = load_critic(tiny_model_dir)
+    before_actor = {k: v.clone() for k, v in actor.state_dict().items()}
+    before_critic = {k: v.clone() for k, v in critic.state_dict().items()}
+    algo = _algo(ppo_epochs=2)
+    seqs = Sequences.from_groups(make_groups(4, 4, vocab=300, seed=13))
+    plan = make_plan(seqs, 1, 2, 64, torch.Generator().manual_seed(2))
+    assert len(plan.n_micro) == 2
+    local = seqs.select(plan.rank_index[0])
+    slot_items: dict[int, list[int]] = {}
+    for i, s in enumerate(plan.micro_id[0]):
+        slot_items.setdefault(s, []).append(i)
+    mbs = [collate(local, slot_items[s], pad_id=0) for s in range(sum(plan.n_micro))]
+    prep = recompute(actor, critic, mbs, 1.0)
+    compute_advantages(prep, algo)
+    opt_c = torch.optim.AdamW(critic.parameters(), lr=1e-3)
+    counters = ppo_updates(actor, critic, None, opt_c, prep, [plan.slots(m) for m in range(2)], plan.norms,
+                           algo, 1.0, train_actor=False, backward=lambda loss: loss.backward(), seed=0)
+    assert counters.critic_steps == 4 and counters.actor_steps == 0  # 2 epochs x 2 mini-batches
+    for k, v in actor.state_dict().items():
+        assert torch.equal(v, before_actor[k]), k
+    assert all(p.grad is None for p in actor.parameters())
+    changed = [k for k, v in critic.state_dict().items() if not torch.equal(v, before_critic[k])]
+    assert "score.weight" in changed and len(changed) > 5
+
+
+def test_nonfinite_gradient_skips_step(tiny_model_dir):
+    from vapo_async.learner.update import optimizer_step
+
+    critic = load_critic(tiny_model_dir)
+    before = {k: v.clone() for k, v in critic.state_dict().items()}
+    opt = torch.optim.AdamW(critic.parameters(), lr=1e-2)
+    for p in critic.parameters():
+        p.grad = torch.ones_like(p)
+    next(critic.parameters()).grad[0, 0] = float("nan")
+    counters = StepCounters()
+    assert not optimizer_step(list(critic.parameters()), opt, 1.0, "critic", counters)
+    assert counters.skipped_nonfinite_grad == 1
+    for k, v in critic.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert opt.state == {} or all(len(s) == 0 for s in opt.state.values())
+
+
+def test_minibatch_norms_cover_positives():
+    seqs = Sequences.from_groups(make_groups(5, 4, vocab=50, seed=3))
+    plan = make_plan(seqs, 2, 2, 64, torch.Generator().manual_seed(0))
+    total = MinibatchNorms(0, 0, 0, 0)
+    for n in plan.norms:
+        total.tokens += n.tokens
+        total.pos_tokens += n.pos_tokens
+        total.seqs += n.seqs
+    assert total.tokens == float(seqs.response_lens.sum())
+    assert total.pos_tokens == float(seqs.response_lens[seqs.correct].sum())
+    assert total.seqs == seqs.n
