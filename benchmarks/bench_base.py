@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import shutil
@@ -162,6 +163,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--model", type=Path, help="evaluate this directory instead of building")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     cfg = tb.TinyBaseConfig()
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
