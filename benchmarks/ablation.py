@@ -67,12 +67,21 @@ class Budget:
     timeout_s: float
     """Per-run wall-clock limit."""
 
-    def common_overrides(self) -> list[str]:
-        """Overrides every row shares (steps, evaluation, quiet logging)."""
-        return [f"trainer.max_steps={self.steps}", f"eval.every_n_steps={self.eval_every}",
-                f"eval.n_prompts={self.eval_prompts}", f"eval.samples={self.eval_samples}",
-                f"checkpoint.every_n_steps={self.steps}", "logging.histograms_every_n_steps=0",
-                "logging.text_every_n_steps=0", "trainer.enable_progress_bar=false"]
+    def evaluator(self) -> R.PosthocEval:
+        return R.PosthocEval(self.eval_every, self.eval_prompts, self.eval_samples)
+
+    def common_overrides(self, eval_mode: str) -> list[str]:
+        """Overrides every row shares (steps, evaluation, quiet logging). ``eval_mode``: "posthoc"
+        (the harness scores the published versions) or "learner" (in-training ``eval/accuracy``,
+        not in the background so that every evaluation happens at its step)."""
+        if eval_mode == "posthoc":
+            evaluation = self.evaluator().learner_overrides()
+        else:
+            evaluation = [f"eval.every_n_steps={self.eval_every}", f"eval.n_prompts={self.eval_prompts}",
+                          f"eval.samples={self.eval_samples}", "eval.background=false"]
+        return [f"trainer.max_steps={self.steps}", *evaluation, f"checkpoint.every_n_steps={self.steps}",
+                "logging.histograms_every_n_steps=0", "logging.text_every_n_steps=0",
+                "trainer.enable_progress_bar=false"]
 
     def describe(self) -> str:
         return (f"budget `{self.name}`: {len(self.variants)} rows x seeds {list(self.seeds)}; "
@@ -87,8 +96,8 @@ BUDGETS = {
     # quick: sized from a measured run on 2 shared CPU cores (see ablation.md's header for the
     # wall times actually observed): the four algorithms and the two largest Table 1 ablations.
     "quick": Budget("quick", ("vapo", "ppo", "grpo", "dapo", "vapo_without_value_pretraining",
-                              "vapo_without_decoupled_gae"), (0, 1, 2), steps=12, prompts=8, samples=8,
-                    value_warmup_steps=3, eval_every=6, eval_prompts=32, eval_samples=16, timeout_s=600),
+                              "vapo_without_decoupled_gae"), (0, 1, 2), steps=24, prompts=8, samples=8,
+                    value_warmup_steps=3, eval_every=8, eval_prompts=32, eval_samples=16, timeout_s=600),
     "full": Budget("full", VARIANTS, (0, 1, 2), steps=200, prompts=16, samples=8, value_warmup_steps=8,
                    eval_every=10, eval_prompts=64, eval_samples=16, timeout_s=4 * 3600),
 }
@@ -133,7 +142,7 @@ def check_rows(budget: Budget) -> None:
     naming the first mismatch (e.g. a conf/ preset that no longer matches algo/presets.py)."""
     lrs = set()
     for variant in budget.variants:
-        cfg = R.compose_config([*algo_overrides(variant, budget), *budget.common_overrides()])
+        cfg = R.compose_config([*algo_overrides(variant, budget), *budget.common_overrides("posthoc")])
         want = expected_algo(variant, budget)
         for f in dataclasses.fields(AlgoConfig):
             got = getattr(cfg.algo, f.name)
@@ -264,6 +273,8 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true", help="keep finished runs of ablation_runs.json")
     ap.add_argument("--dry-run", action="store_true", help="check the rows and print the commands only")
     ap.add_argument("--report-only", action="store_true", help="rebuild md/png from ablation_runs.json")
+    ap.add_argument("--eval", choices=("posthoc", "learner"), default="posthoc",
+                    help="held-out accuracy scored by the harness after each run (default) or by the learner")
     ap.add_argument("--out", type=Path, default=R.RESULTS)
     args = ap.parse_args()
     json_path = args.out / "ablation_runs.json"
@@ -275,7 +286,7 @@ def main() -> None:
     budget = dataclasses.replace(budget, variants=tuple(args.variants or budget.variants),
                                  seeds=tuple(args.seeds or budget.seeds), steps=args.steps or budget.steps)
     check_rows(budget)
-    todo = [R.RunRecord(v, s, [*algo_overrides(v, budget), *budget.common_overrides()])
+    todo = [R.RunRecord(v, s, [*algo_overrides(v, budget), *budget.common_overrides(args.eval)])
             for s in budget.seeds for v in budget.variants]
     if args.dry_run:
         for rec in todo:
@@ -287,10 +298,17 @@ def main() -> None:
         finished = {(r.variant, r.seed) for r in done}
         todo = [r for r in todo if (r.variant, r.seed) not in finished]
     meta = R.run_meta(budget.name, budget.describe(), list(budget.variants))
+    meta["eval"] = args.eval
     t0 = time.monotonic()
     deadline = t0 + 60 * args.max_minutes if args.max_minutes else None
     args.out.mkdir(parents=True, exist_ok=True)
-    R.run_sequence(todo, done, args.out / "tmp" / "ablation", json_path, meta, budget.timeout_s, deadline)
+    evaluator = budget.evaluator() if args.eval == "posthoc" else None
+    try:
+        R.run_sequence(todo, done, args.out / "tmp" / "ablation", json_path, meta, budget.timeout_s, deadline,
+                       evaluator)
+    finally:
+        if evaluator is not None:
+            evaluator.close()
     meta["total_wall_s"] = time.monotonic() - t0
     R.save_records(json_path, done, meta)
     report(meta, done, args.threshold, args.out)

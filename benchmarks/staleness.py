@@ -60,7 +60,8 @@ class Budget:
         return [*out, f"trainer.max_steps={self.steps}", f"eval.every_n_steps={self.steps}",
                 f"eval.n_prompts={self.eval_prompts}", f"eval.samples={self.eval_samples}",
                 f"checkpoint.every_n_steps={self.steps}", "logging.histograms_every_n_steps=0",
-                "logging.text_every_n_steps=0", "trainer.enable_progress_bar=false"]
+                "logging.text_every_n_steps=0", "trainer.enable_progress_bar=false",
+                "eval.background=false"]
 
     def describe(self) -> str:
         return (f"budget `{self.name}`: eta {list(self.etas)} x {{decoupled, no weight}} x seeds "
@@ -71,7 +72,7 @@ class Budget:
 
 
 BUDGETS = {
-    "quick": Budget("quick", ETAS, (0,), steps=16, prompts=8, samples=8, value_warmup_steps=3,
+    "quick": Budget("quick", ETAS, (0,), steps=40, prompts=8, samples=8, value_warmup_steps=3,
                     eval_prompts=32, eval_samples=16, timeout_s=600),
     "full": Budget("full", ETAS, (0, 1, 2), steps=200, prompts=16, samples=8, value_warmup_steps=8,
                    eval_prompts=64, eval_samples=16, timeout_s=4 * 3600),

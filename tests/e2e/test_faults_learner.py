@@ -5,7 +5,9 @@
   continues from its last checkpoint (step, version, controller state, optimiser states: the
   learner's own sha256 fingerprint must match), the generator reconnects without a restart, the
   in-flight work at the crash is re-issued, and no group is trained twice (the controller ledger in
-  the final checkpoint: every admitted prompt done exactly once, trained = steps x B).
+  the final checkpoint: every admitted prompt done exactly once, trained = steps x B). During the
+  resumed run two fuzzer processes fire 1,300 malformed messages at its socket: all are counted in
+  its TensorBoard (``transport/rejected``) and the run still ends with exact accounting.
 - ``test_cli_errors_are_one_line``: invalid overrides, a missing model, unreadable / malformed
   datasets, for the learner, the generator and the evaluator: each exits non-zero with one line
   that names the problem (file and line where relevant), never a traceback.

@@ -76,7 +76,6 @@ def _ann(version: int) -> WeightAnnouncement:
     return WeightAnnouncement(version, f"/nonexistent/v{version:08d}", "0" * 64, 0, ())
 
 
-@pytest.mark.skip(reason="counted one rejection more than it sent (10201 vs 10200) under heavy load in session 1: an honest group was rejected; cause not yet found - the 2,000-message live fuzz in tests/controller still runs - see issue 6")
 def test_ten_thousand_malformed_messages_during_a_run(tmp_path: Path) -> None:
     endpoint = f"ipc://{tmp_path}/ctl"
     transport = TransportConfig(endpoint=endpoint, limits=LIMITS)

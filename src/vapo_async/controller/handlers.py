@@ -65,6 +65,9 @@ class Session:
     suspended: bool = False
     """Set when one of its leases expired: no new leases until it sends a request or a group
     (heartbeats alone do not lift it, so a wedged sampler with a live heartbeat stops getting work)."""
+    last_served: int = 0
+    """Stamp of its latest lease (0 = never served); the least recently served get the remainder
+    when the controller splits scarce admission capacity (``Controller._serve_credits``)."""
 
 
 class Handlers:

@@ -70,6 +70,7 @@ class Controller(Handlers):
         self.announcements: OrderedDict[int, WeightAnnouncement] = OrderedDict()
         self.sessions: dict[bytes, Session] = {}
         self.by_generator: dict[str, bytes] = {}
+        self._served = 0  # leases made so far: stamps Session.last_served (fair credit serving)
         self.buffer: deque[RolloutGroup] = deque()
         self._to_publish: deque[WeightAnnouncement] = deque()
         self._lock = threading.Lock()
@@ -344,18 +345,31 @@ class Controller(Handlers):
             self._forget_session(ident)
 
     def _serve_credits(self, now: float) -> list[Outgoing]:
+        """Grant credit fairly: each pass splits the supply (re-issuable pending items plus
+        admission capacity) evenly among the sessions that want work; the remainder goes to the
+        least recently served. Passes repeat while leases are made, so sessions that wanted less
+        than their share leave the rest to the others and credit is filled when supply allows."""
         out: list[Outgoing] = []
-        progress = True
-        while progress:
+        while True:
+            ready = sorted((s for s in self.sessions.values() if s.wanted > 0 and not s.suspended),
+                           key=lambda s: s.last_served)  # stable: ties keep session order
+            supply = len(self.ledger.pending) + self.admission.capacity()
+            if not ready or supply == 0:
+                return out
+            share, extra = divmod(supply, len(ready))
+            # the ``extra`` sessions that get one more are served (stamped) last, so the next split
+            # hands its remainder to the others: over many rounds shares differ by at most one chunk
+            plan = [(s, share) for s in ready[extra:]] + [(s, share + 1) for s in ready[:extra]]
             progress = False
-            for s in list(self.sessions.values()):
-                if s.wanted > 0 and not s.suspended and (lease := self._make_lease(s, now)) is not None:
+            for s, chunk in plan:
+                if chunk > 0 and (lease := self._make_lease(s, now, chunk)) is not None:
                     out.append((s.ident, lease.to_frames(), lease.lease_id))
                     progress = True
-        return out
+            if not progress:
+                return out
 
-    def _make_lease(self, s: Session, now: float) -> Lease | None:
-        n = min(s.wanted, s.max_prompts, self.cfg.max_lease_prompts)
+    def _make_lease(self, s: Session, now: float, chunk: int) -> Lease | None:
+        n = min(s.wanted, s.max_prompts, self.cfg.max_lease_prompts, chunk)
         items = self.ledger.take_pending(n, set())
         prompts = {self.ledger.prompt[i] for i in items}
         while len(items) < n and self.admission.capacity() > 0 and self.order.peek() not in prompts:
@@ -369,6 +383,8 @@ class Controller(Handlers):
         rec = self.ledger.open_lease(s.ident, items, now, self.cfg.lease_timeout_s, self.cfg.lease_max_s,
                                      self.version)
         s.wanted -= len(items)
+        self._served += 1
+        s.last_served = self._served
         return self._lease_message(rec.lease_id, rec.items)
 
     def weights_root(self) -> str:

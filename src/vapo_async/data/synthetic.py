@@ -1,16 +1,19 @@
 """Synthetic multi-step arithmetic word problems with worked solutions (the embedded default task).
 
 A problem follows one person's count of some item through a sequence of events ("finds 5",
-"gives 7 to Ben", ...); each event adds or subtracts a number. The worked solution has one line per
-event, ``<event>: <before> <op> <k> = <after>``, and ends with ``Answer: N``. Its length grows with
-the number of events, from about 20 to about 200 tokens with the tiny tokenizer, so that
-length-dependent parts of the algorithm (length-adaptive GAE, token-level loss) have work to do.
+"gives 7 to Ben", ...); each event adds or subtracts a number. The question numbers the events
+``(1) ..., (2) ...``; the worked solution has one line per event,
+``(<i>) <event>: <before> <op> <k> = <after>``, and ends with ``Answer: N``. The running count keeps
+its digit count (10-99 up to difficulty 3), so every line has the same layout. Solution length
+grows with the number of events, from about 20 to about 200 tokens with the tiny tokenizer (mean
+~80 at difficulty 2), so that length-dependent parts of the algorithm (length-adaptive GAE,
+token-level loss) have work to do.
 
 Events come in two kinds: *plain* events whose verb names the direction outright ("buys", "loses"),
 and *exchange* events between two people ("gives 7 to Ben", "gets 7 from Ben", "lends", "borrows").
-The tiny base model is pre-trained on imperfect solutions that flip the sign of exchange steps with
-some probability (see :func:`render_solution`), so its errors sit at few, identifiable decision
-tokens that reinforcement learning can sharpen.
+Half of all events are exchanges. The tiny base model is pre-trained on imperfect solutions that
+flip the sign of exchange steps with some probability (:func:`imperfect_solution`), so its errors
+sit at few, identifiable decision tokens that reinforcement learning can sharpen.
 
 Train and held-out problems are disjoint for every seed: each problem's canonical form (start value,
 verbs, operands; not the names or items) is hashed with a fixed salt, and the hash decides its

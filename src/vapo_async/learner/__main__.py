@@ -83,6 +83,19 @@ def device_count(accelerator: str, devices: Any) -> int:
     return max(torch.cuda.device_count(), 1) if gpu else 1
 
 
+def cpu_threads(cfg: LearnerConfig) -> int | None:
+    """torch threads per learner process (``threads``; see its docstring for the automatic value)."""
+    import torch
+
+    if cfg.threads is not None:
+        return cfg.threads
+    gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
+    if gpu:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, (cores - cfg.generators.local) // device_count("cpu", cfg.trainer.devices))
+
+
 def build_strategy(cfg: LearnerConfig) -> tuple[Any, str]:
     """(Lightning strategy, Lightning precision) for ``trainer.strategy`` / ``trainer.precision``."""
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -120,8 +133,9 @@ def run(cfg: LearnerConfig, run_dir: Path) -> Any:
     if cfg.resume and not ckpt.exists():
         raise ConfigError(f"resume=true: no checkpoint at {ckpt} (hydra.run.dir must be the earlier run's)")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
+    threads = cpu_threads(cfg)
+    if threads is not None:
+        torch.set_num_threads(threads)
     model_path = resolve_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     vocab_size = int(AutoConfig.from_pretrained(model_path).vocab_size)

@@ -76,8 +76,8 @@ class GeneratorsConfig:
 
     local: int = 1
     """Local generator processes started by learner rank 0 and stopped on exit."""
-    max_prompts: int = 8
-    """Prompts each local generator keeps in flight (its credit)."""
+    max_prompts: int = 16
+    """Prompts each local generator keeps in flight (its credit; x G sequences decoded together)."""
     max_model_len: int | None = None
     """Engine context length; None = longest prompt + sampling.max_tokens, rounded up to 64."""
     kv_cache_bytes: int | None = None
@@ -241,7 +241,9 @@ class LearnerConfig:
     seed: int = 0
     """Seed of model init randomness and mini-batch shuffling."""
     threads: int | None = None
-    """torch CPU threads of each learner process (None: torch's default, the core count)."""
+    """torch CPU threads of each learner process; None = on CPU, the cores left after one per local
+    generator, shared by the learner processes of this node (at least 1); on GPU torch's default.
+    (Oversubscribed OpenMP threads wait on each other: fewer threads are faster than too many.)"""
     resume: bool = False
     """Continue from ``RUN_DIR/checkpoints/last.ckpt`` (step, version, controller, optimisers, RNG)."""
 
