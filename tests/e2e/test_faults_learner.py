@@ -200,8 +200,8 @@ def _cases(model: Path, tmp: Path) -> list[tuple[str, list[str], str]]:
         ("vapo_async.learner", [*learner, f"model.path={model}", f"data.name={rows}"], f"{rows}:2"),
         ("vapo_async.learner", [*learner, f"model.path={model}", f"data.name={garbage}"], "garbage.parquet"),
         ("vapo_async.learner", [*learner, "trainer.max_steps=abc"], "trainer.max_steps"),
-        # without model= (with one, the engine starts before the endpoint is checked: reported)
-        ("vapo_async.generator", ["controller=http://127.0.0.1:1"], "http://127.0.0.1:1"),
+        # checked before the engine starts
+        ("vapo_async.generator", ["controller=http://127.0.0.1:1", f"model={model}"], "controller"),
         ("vapo_async.generator", ["max_prompts=0", f"model={model}"], "max_prompts"),
         ("vapo_async.generator", ["sampling.top_p=2", f"model={model}"], "top_p"),
         ("vapo_async.eval", [f"model={model}", f"data={rows}", "split=train", "k=2", f"out={tmp / 'e.json'}"],

@@ -85,3 +85,47 @@ def test_forked_children_die_with_the_generator(tmp_path: Path) -> None:
         time.sleep(0.05)
     os.kill(child, signal.SIGKILL)
     pytest.fail("the forked child outlived its SIGKILLed parent")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def test_bad_values_fail_before_the_engine_starts(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """With a valid model=, each bad value must fail at start-up with one error line naming its key,
+    long before the ~20-40 s vLLM engine start (interpreter + Hydra start-up is ~0.6 s here)."""
+    model = f"model={tiny_model_dir}"
+    cases = [  # (overrides, the key the one error line must name)
+        (["controller=http://127.0.0.1:1"], "controller"),
+        (["controller=tcp://127.0.0.1"], "controller"),  # no port
+        (["controller=tcp://127.0.0.1:70000"], "controller"),  # port out of range
+        (["controller=ipc://" + "x" * 120], "controller"),  # longer than a Unix socket path
+        (["controller=tcp://192.0.2.7:5555"], "controller"),  # off loopback without CURVE keys
+        ([f"transport.curve.server_public_file={tmp_path}/none.key",
+          f"transport.curve.client_secret_file={tmp_path}/none.key_secret"], "transport.curve.server_public_file"),
+        (["connect_timeout_s=0"], "connect_timeout_s"),
+        (["log_level=LOUD"], "log_level"),
+        (["reward.custom={_target_:no_such_module.fn,_partial_:true}"], "reward.custom"),  # not importable
+    ]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-m", "vapo_async.generator", *args, model], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for args, _ in cases]
+    failures = []
+    for (args, key), proc in zip(cases, procs, strict=True):
+        try:  # 9 interpreters at once on 2 busy cores: ~5 s; an engine start would take 20-40 s more
+            _, err = proc.communicate(timeout=max(1.0, 15.0 - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)  # the engine (and its EngineCore) were started: the check came too late
+            failures.append(f"{args}: still running after 15 s")
+            continue
+        errors = [ln for ln in err.splitlines() if ln.startswith("vapo_async.generator: error:")]
+        if proc.returncode != 2 or len(errors) != 1 or key not in errors[0] or "Traceback" in err \
+                or "EngineCore" in err:
+            failures.append(f"{args}: exit {proc.returncode}, error lines {errors}, needs {key!r}\n{err[-1500:]}")
+    assert not failures, "\n\n".join(failures)

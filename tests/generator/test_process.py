@@ -1,7 +1,8 @@
 """A real generator process (``python -m vapo_async.generator`` via ``launch``) against a real
 Controller over ipc: it starts before the controller, its groups arrive and validate, weights flow
 to it after a step, it follows a controller restart back to the base weights, refuses corrupted
-weights, and hands its leases back on SIGTERM (exit 0, no process of its group left)."""
+weights and at once hands back the leases that need them (the controller counts the refusal and
+re-issues them), and leaves cleanly on SIGTERM (exit 0, no process of its group left)."""
 
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def test_generator_process_with_controller(published: Published, tiny_model_dir:
         _check(third, tokenizer, 0)  # the generator went back to its base weights
         ctl.mark_trained(third)
 
-        # corrupted version 1 under the new root: refused, the leases wait, SIGTERM hands them back
+        # corrupted version 1 under the new root: refused, reported, its leases handed back at once
         pub2 = WeightPublisher(root2, tiny_model_dir, keep=3)
         ann = pub2.publish(1, version_state_dict(published.base, 1))
         path = Path(ann.path) / "model.safetensors"
@@ -110,9 +111,10 @@ def test_generator_process_with_controller(published: Published, tiny_model_dir:
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
         ctl.step_done(ann)
-        _wait(lambda: ctl.metrics()["controller/leased"] == B and "keeping weights version 0" in h.log_path.read_text(),
-              "lease and refusal", h, timeout_s=60)
-        assert "checksum" in h.log_path.read_text()
+        _wait(lambda: ctl.metrics().get("controller/weights_refused/checksum") == 1
+              and ctl.metrics()["controller/pending"] == B, "refusal report and re-issue", h, timeout_s=60)
+        assert "keeping weights version 0" in h.log_path.read_text()
+        assert ctl.metrics()["controller/leased"] == 0  # nothing waits on this generator for version 1
     finally:
         codes = stop_generators([h], timeout_s=60)
     try:
@@ -126,7 +128,8 @@ def test_generator_process_with_controller(published: Published, tiny_model_dir:
         acc = ctl.accounting()
         assert acc["leased"] == 0 and acc["pending"] == B, acc  # handed back, ready for re-issue
         log_text = h.log_path.read_text()
-        assert "leaving: 1 leases handed back" in log_text
+        assert "weights version 1 refused (checksum): 1 leases handed back" in log_text
+        assert "leaving: 0 leases handed back" in log_text
         assert log_text.count("new controller session") == 1  # the restart, not duplicate welcomes
     finally:
         for c in controllers:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,6 +31,7 @@ from vapo_async.transport.messages import (
     Request,
     RolloutGroup,
     WeightAnnouncement,
+    WeightsRefused,
     Welcome,
     decode_from_generator,
 )
@@ -65,6 +66,8 @@ class Session:
     suspended: bool = False
     """Set when one of its leases expired: no new leases until it sends a request or a group
     (heartbeats alone do not lift it, so a wedged sampler with a live heartbeat stops getting work)."""
+    refused_version: int | None = None
+    """Weight version it reported refusing (``weights_refused``), until it asks for credit again."""
     last_served: int = 0
     """Stamp of its latest lease (0 = never served); the least recently served get the remainder
     when the controller splits scarce admission capacity (``Controller._serve_credits``)."""
@@ -86,6 +89,7 @@ class Handlers:
     sessions: dict[bytes, Session]
     by_generator: dict[str, bytes]
     buffer: deque[RolloutGroup]
+    refusals: Counter[str]
     _lock: threading.Lock
     _cv: threading.Condition
     _sockets: ServerSockets | None
@@ -127,6 +131,10 @@ class Handlers:
             s.suspended = False
         if isinstance(msg, Request):
             s.wanted = msg.credit
+            if msg.credit > 0:
+                s.refused_version = None  # it loaded weights it can sample with again
+        elif isinstance(msg, WeightsRefused):
+            self._on_weights_refused(s, msg)
         elif isinstance(msg, Bye):
             log.info("generator %s left (%d leases re-issued)", s.generator_id, self._forget_session(ident))
         elif isinstance(msg, Fetch):
@@ -156,6 +164,23 @@ class Handlers:
             lease_timeout_s=self.cfg.lease_timeout_s, heartbeat_s=self.cfg.resolved_heartbeat_s(),
             sampling=dict(self.cfg.sampling),
         )
+
+    def _on_weights_refused(self, s: Session, msg: WeightsRefused) -> None:
+        """The generator cannot load ``msg.version``: count it (once per session and version),
+        re-issue its leases that need a newer version than it holds (those it handed back and any
+        still on the way to it), and grant it nothing until its next ``request``."""
+        s.wanted, s.version = 0, msg.held
+        mine = self.ledger.by_owner.get(s.ident, set())
+        unservable = {i for i in mine if self.ledger.leases[i].min_version > msg.held}
+        n = self.ledger.release_owner(s.ident, sorted(unservable | set(msg.return_leases)))
+        if msg.version == s.refused_version:
+            return
+        s.refused_version = msg.version
+        self.refusals["weights_refused"] += 1
+        self.refusals[f"weights_refused/{msg.reason}"] += 1
+        log.warning("generator %s refused weights version %d (%s) and keeps version %d: %d of its leases "
+                    "re-issued, no new ones until it loads a version", s.generator_id, msg.version, msg.reason,
+                    msg.held, n)
 
     def _forget_session(self, ident: bytes) -> int:
         """Drop a session; its leases are re-issued. Returns how many leases."""

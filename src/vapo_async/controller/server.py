@@ -11,9 +11,9 @@ Learner-facing API (docs/CONTRACTS.md)::
     ctl.state_dict() / ctl.load_state_dict(d)  # into the Lightning checkpoint (load before start)
     ctl.metrics(); ctl.accounting(); ctl.stop()
 
-Network side: one ROUTER for generators (hello/request/group/heartbeat/bye/fetch) and one PUB for
-weight announcements, both used only by the controller thread. Learner calls take ``_lock`` and
-wake the thread through an inproc PAIR. The thread never blocks on a generator (see
+Network side: one ROUTER for generators (hello/request/group/heartbeat/bye/fetch/weights_refused)
+and one PUB for weight announcements, both used only by the controller thread. Learner calls take
+``_lock`` and wake the thread through an inproc PAIR. The thread never blocks on a generator (see
 ``ServerSockets`` for back-pressure). Invalid messages are rejected, counted and logged
 (``stats.py``); any other exception stops the thread and is re-raised in the learner by
 ``next_batch``.
@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -70,6 +70,7 @@ class Controller(Handlers):
         self.announcements: OrderedDict[int, WeightAnnouncement] = OrderedDict()
         self.sessions: dict[bytes, Session] = {}
         self.by_generator: dict[str, bytes] = {}
+        self.refusals: Counter[str] = Counter()  # weights_refused[/reason] reports of generators
         self._served = 0  # leases made so far: stamps Session.last_served (fair credit serving)
         self.buffer: deque[RolloutGroup] = deque()
         self._to_publish: deque[WeightAnnouncement] = deque()
@@ -216,6 +217,7 @@ class Controller(Handlers):
                 "controller/generators": float(len(self.sessions)),
                 "controller/epoch": float(self.order.epoch),
             })
+            out.update({f"controller/{k}": float(v) for k, v in self.refusals.items()})
             out.update(self.stats.metrics())
         return out
 
@@ -287,7 +289,9 @@ class Controller(Handlers):
         states = self.ledger.state_counts()
         return (f"{len(self.sessions)} generators, buffered {len(self.buffer)}, leased {states['leased']}, "
                 f"pending {states['pending']}, admission capacity {self.admission.capacity()}, "
-                f"steps_done {self.admission.steps_done}, version {self.version}")
+                f"steps_done {self.admission.steps_done}, version {self.version}"
+                + "".join(f", {s.generator_id} refused weights version {s.refused_version}"
+                          for s in self.sessions.values() if s.refused_version is not None))
 
     def _run(self) -> None:
         try:

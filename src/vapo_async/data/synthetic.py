@@ -3,7 +3,9 @@
 A problem follows one person's count of some item through a sequence of events ("finds 5",
 "gives 7 to Ben", ...); each event adds or subtracts a number. The question numbers the events
 ``(1) ..., (2) ...``; the worked solution has one line per event,
-``(<i>) <event>: <before> <op> <k> = <after>``, and ends with ``Answer: N``. The running count keeps
+``(<i>) <verb> <k>: <before> <op> <k> = <after>`` (the partner of an exchange is left out: it
+does not change the count, and copying names cost the tiny base most of its errors), and ends
+with ``Answer: N``. The running count keeps
 its digit count (10-99 up to difficulty 3), so every line has the same layout. Solution length
 grows with the number of events, from about 20 to about 200 tokens with the tiny tokenizer (mean
 ~80 at difficulty 2), so that length-dependent parts of the algorithm (length-adaptive GAE,
@@ -183,7 +185,7 @@ def render_solution(start: int, steps: tuple[Step, ...], flips: frozenset[int] =
     for i, s in enumerate(steps):
         sign = -s.sign if i in flips else s.sign
         new = value + sign * s.k
-        lines.append(f"({i + 1}) {s.phrase()}: {value} {'+' if sign > 0 else '-'} {s.k} = {new}")
+        lines.append(f"({i + 1}) {s.verb} {s.k}: {value} {'+' if sign > 0 else '-'} {s.k} = {new}")
         value = new
     lines.append(f"Answer: {value}")
     return "\n".join(lines)

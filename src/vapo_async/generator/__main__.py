@@ -9,15 +9,15 @@ Setup -> run -> cleanup:
 2. Serve leases (``GeneratorLoop``) until SIGTERM/SIGINT.
 3. Hand unfinished leases back (``bye``), shut the engine down, exit 0.
 
+Every process the generator starts dies with it, even on SIGKILL (``orphans.py``).
+
 Configuration errors (missing model, bad values, unreachable controller with ``connect_timeout_s``,
 refused initial weights) end with a one-line message and exit code 2.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import signal
 import sys
 import threading
@@ -31,6 +31,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from vapo_async.generator.config import GeneratorConfig, register_configs
+from vapo_async.generator.orphans import arm, die_with_parent_forks
 from vapo_async.transport.weights import WeightsError
 
 if TYPE_CHECKING:
@@ -38,21 +39,6 @@ if TYPE_CHECKING:
     from vapo_async.transport.messages import WeightAnnouncement, Welcome
 
 log = logging.getLogger("vapo_async.generator")
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent_forks() -> None:
-    """Make processes forked from this one (vLLM's engine core) get SIGKILL when it dies, so a
-    generator killed with SIGKILL leaves no orphaned engine behind (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def _in_child() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-    os.register_at_fork(after_in_child=_in_child)
 
 
 class StopFlag:
@@ -105,16 +91,21 @@ def run(cfg: GeneratorConfig) -> int:
     stop = StopFlag()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    die_with_parent_forks()
+    die_with_parent_forks()  # forked children (a fork start method)
+    arm()  # spawned children: vLLM's EngineCore and its Worker (see orphans.py)
+    # every cheap check before the ~20 s engine start (the config's own checks ran at parse time)
     if cfg.model is not None and not (Path(cfg.model) / "config.json").is_file():
         raise FileNotFoundError(f"model={cfg.model} is not a Hugging Face model directory (no config.json)")
+    transport = cfg.client_transport()
     generator_id = cfg.resolved_id()
     cache = Path(cfg.weights_cache).expanduser() / generator_id
-    engine = VLLMEngine(cfg.model, cfg.engine, cfg.model_version) if cfg.model is not None else None
-    client = ControllerClient(replace(cfg.transport, endpoint=cfg.controller), generator_id,
-                              max_prompts=cfg.max_prompts)
-    reward_fn = build_reward_fn(cfg.reward)
+    reward_fn = build_reward_fn(cfg.reward)  # imports reward.custom's target; workers start lazily
+    engine: VLLMEngine | None = None
+    client: ControllerClient | None = None
     try:
+        if cfg.model is not None:
+            engine = VLLMEngine(cfg.model, cfg.engine, cfg.model_version)
+        client = ControllerClient(transport, generator_id, max_prompts=cfg.max_prompts)
         client.version = engine.version if engine is not None else 0
         log.info("connecting to controller at %s as %s", cfg.controller, generator_id)
         welcome = _connect(client, cfg, stop)
@@ -143,7 +134,8 @@ def run(cfg: GeneratorConfig) -> int:
             loop.close()
             log.info("final stats: %s", loop.snapshot())
     finally:
-        client.close()
+        if client is not None:
+            client.close()
         reward_fn.close()
         if engine is not None:
             engine.shutdown()
@@ -155,9 +147,9 @@ register_configs()
 
 @hydra.main(config_path=None, config_name="generator", version_base=None)
 def main(dcfg: DictConfig) -> None:
-    logging.basicConfig(level=str(dcfg.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg: GeneratorConfig = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
+        logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         code = run(cfg)
     except (ValueError, FileNotFoundError, TimeoutError, WeightsError) as e:
         log.debug("configuration error", exc_info=True)

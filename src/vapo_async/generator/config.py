@@ -8,9 +8,10 @@ samples the way the learner expects.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,32 @@ DEFAULT_CPU_KV_BYTES = 256 * 2**20
 WELCOME_SAMPLING_KEYS = {"n": "group_size", "temperature": "temperature", "top_p": "top_p",
                          "max_tokens": "max_tokens"}
 """Keys of the controller's ``welcome.sampling`` map -> ``SamplingConfig`` field names."""
+
+_MAX_IPC_PATH_BYTES = 107
+"""Longest ``ipc://`` path the kernel accepts (``sun_path`` holds 108 bytes with the NUL)."""
+
+
+def check_endpoint(key: str, endpoint: str) -> None:
+    """Raise ``ValueError`` naming ``key`` unless ``endpoint`` is ``tcp://HOST:PORT`` (port
+    1-65535, a concrete host) or ``ipc://PATH`` (short enough for a Unix socket). Syntax only:
+    nothing is contacted, so a generator may still start before its controller."""
+    problem = ""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if not path:
+            problem = "empty ipc path"
+        elif len(path.encode()) > _MAX_IPC_PATH_BYTES:
+            problem = f"ipc path longer than {_MAX_IPC_PATH_BYTES} bytes"
+    elif endpoint.startswith("tcp://"):
+        host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+        if not sep or not host or host == "*":
+            problem = "needs a host and a port"
+        elif not port.isdigit() or not 0 < int(port) < 65536:
+            problem = f"port {port!r} is not in 1-65535"
+    else:
+        problem = "unsupported scheme"
+    if problem:
+        raise ValueError(f"{key} must be tcp://HOST:PORT or ipc://PATH, got {endpoint!r} ({problem})")
 
 
 @dataclass
@@ -125,8 +152,37 @@ class GeneratorConfig:
     """Transport settings (CURVE keys, timeouts); ``controller`` overrides its endpoint."""
 
     def __post_init__(self) -> None:
+        """Everything checkable without the engine or the network fails here, at start-up."""
         if self.max_prompts < 1:
             raise ValueError(f"max_prompts must be >= 1, got {self.max_prompts}")
+        check_endpoint("controller", self.controller)
+        if self.transport.pub_endpoint:
+            check_endpoint("transport.pub_endpoint", self.transport.pub_endpoint)
+        if self.connect_timeout_s is not None and self.connect_timeout_s <= 0:
+            raise ValueError(f"connect_timeout_s must be > 0 or null, got {self.connect_timeout_s}")
+        if self.stats_interval_s <= 0:
+            raise ValueError(f"stats_interval_s must be > 0, got {self.stats_interval_s}")
+        if not isinstance(logging.getLevelName(str(self.log_level).upper()), int):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {self.log_level!r}")
+        if self.model_version < 0:
+            raise ValueError(f"model_version must be >= 0, got {self.model_version}")
+
+    def client_transport(self) -> TransportConfig:
+        """``transport`` with ``endpoint = controller``, checked as the client will use it: the
+        CURVE rule for off-loopback endpoints and the key files (raises ``ValueError`` /
+        ``FileNotFoundError`` naming the key). Cheap: call it before the engine starts."""
+        from vapo_async.transport.sockets import InsecureEndpointError, use_curve
+
+        cfg = replace(self.transport, endpoint=self.controller)
+        try:
+            use_curve(cfg, [cfg.endpoint], "client")
+        except InsecureEndpointError as e:
+            raise ValueError(f"controller={self.controller}: {e}") from None
+        for key in ("server_public_file", "client_secret_file"):
+            path = getattr(cfg.curve, key)
+            if path and not Path(path).expanduser().is_file():
+                raise FileNotFoundError(f"transport.curve.{key}: key file {path!r} not found")
+        return cfg
 
     def resolved_id(self) -> str:
         """``generator_id`` or ``<hostname>-<pid>`` (':' is not allowed on the wire)."""

@@ -12,6 +12,13 @@ Leases. Each prompt of a lease becomes one vLLM request with n = G (request id
 weight subscriber, so the reload happens first). Credit: the loop asks for
 ``max_prompts - (prompts in flight + waiting)`` after every finished group.
 
+Refused weights. When the weight subscriber refuses the target version (bad checksum, traversal,
+failed load, ...) the engine keeps its weights, so leases that need the refused version can never
+start: they are handed back at once with ``weights_refused`` (the controller counts the refusal
+and re-issues them to generators that can serve them), and no credit is asked for until a version
+loads (after the retry back-off, or a newer announcement). Leases that arrive meanwhile for the
+refused version are handed back the same way.
+
 Controller restarts. A ``Welcome`` after the first one means a new controller session: every
 in-flight request is aborted and waiting leases are dropped (the new controller re-issues them from
 its checkpoint), then credit is requested again.
@@ -61,6 +68,7 @@ class Client(Protocol):
     def poll(self, timeout_ms: int) -> list[Lease | WeightAnnouncement | Ack | ErrorReply | Welcome]: ...
     def send_group(self, group: RolloutGroup) -> bool: ...
     def bye(self, return_leases: list[int]) -> None: ...
+    def weights_refused(self, version: int, held: int, reason: str, return_leases: list[int]) -> None: ...
 
 
 class RewardFn(Protocol):
@@ -90,6 +98,8 @@ class LoopStats:
     groups_accepted: int = 0
     groups_rejected: int = 0
     groups_duplicate: int = 0
+    leases_handed_back: int = 0
+    """Leases returned because they need weights this generator refused."""
     sessions: int = 0
     """Welcomes received (1 + controller restarts)."""
     started_at: float = 0.0
@@ -153,12 +163,36 @@ class GeneratorLoop:
         for msg in self.client.poll(0 if busy else 20):
             self.on_message(msg)
         if self.weights.pending():
-            self.weights.apply()
+            self.apply_weights()
         self.start_ready()
         if self.engine.has_work():
             for completion in self.engine.step():
                 self.finish(completion)
         self.maybe_log()
+
+    def apply_weights(self) -> None:
+        """Load the target weights (between engine steps); on a refusal tell the controller and hand
+        back the leases that need them; after a load ask for credit again."""
+        refused = self.weights.stats.refused
+        if self.weights.apply():
+            self._send(lambda: self.client.request(self.free_capacity()) or True, "credit request")
+        elif self.weights.stats.refused > refused:
+            self.hand_back_unservable()
+
+    def hand_back_unservable(self) -> None:
+        """Return every waiting lease that needs a newer version than the engine holds (none of
+        their prompts started) with a ``weights_refused`` report of the refused version."""
+        assert self.weights.refused_version is not None
+        held = self.engine.version
+        ids = sorted({lease.lease_id for lease, _ in self.waiting if lease.min_version > held})
+        self.waiting = deque((lease, p) for lease, p in self.waiting if lease.min_version <= held)
+        for lease_id in ids:
+            self.open_leases.pop(lease_id, None)
+        self.stats.leases_handed_back += len(ids)
+        version, reason = self.weights.refused_version, self.weights.refused_reason
+        log.warning("weights version %d refused (%s): %d leases handed back, no credit asked until a "
+                    "version loads", version, reason, len(ids))
+        self._send(lambda: self.client.weights_refused(version, held, reason, ids) or True, "weights refusal")
 
     def on_message(self, msg: Lease | WeightAnnouncement | Ack | ErrorReply | Welcome) -> None:
         if isinstance(msg, Lease):
@@ -166,6 +200,8 @@ class GeneratorLoop:
             self.waiting.extend((msg, p) for p in msg.prompts)
             self.controller_version = max(self.controller_version, msg.min_version)
             self.offer(msg.weights)
+            if self.weights.stuck() and msg.min_version > self.engine.version:
+                self.hand_back_unservable()  # sent before our report arrived: it needs the refused version
         elif isinstance(msg, WeightAnnouncement):
             self.offer(msg)
         elif isinstance(msg, Welcome):
@@ -217,7 +253,9 @@ class GeneratorLoop:
             log.warning("group of lease %d prompt %d rejected: %s", ack.lease_id, ack.prompt_index, ack.reason)
 
     def free_capacity(self) -> int:
-        """Prompts this generator can take on now."""
+        """Prompts this generator can take on now (none while its target weights are refused)."""
+        if self.weights.stuck():
+            return 0
         return max(0, self.max_prompts - len(self.in_flight) - len(self.waiting))
 
     def start_ready(self) -> None:
@@ -292,6 +330,7 @@ class GeneratorLoop:
             "generator/version": float(self.engine.version),
             "generator/weights_applied": float(w.applied),
             "generator/weights_refused": float(w.refused),
+            "generator/leases_handed_back": float(self.stats.leases_handed_back),
             "generator/reload_pause_s": w.last_pause_s,
             "generator/in_flight": float(len(self.in_flight)),
         }

@@ -7,7 +7,8 @@ trusted weights root, manifest checksum, every file's size and sha256) or, when 
 read it, fetches it in chunks into the local cache and verifies it there; then the engine reloads in
 place (``VLLMEngine.reload``). A directory that fails verification is refused: the engine keeps its
 current weights, ``weights_refused`` counts it, an error is logged, and the same announcement is
-retried after a back-off (a newer one is tried at once).
+retried after a back-off (a newer one is tried at once). While the target version is refused
+(``stuck``), the sampling loop hands back leases that need it and asks for no credit.
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ class WeightSync:
         self.target: WeightAnnouncement | None = None
         """Announcement of ``target_version`` (None: the engine's current or the base weights)."""
         self.stats = SyncStats()
+        self.refused_version: int | None = None
+        """Version refused last and not loaded since (``stuck`` while it is the target)."""
+        self.refused_reason = ""
+        """Reason token of that refusal (checksum, size, outside_root, fetch_timeout, load, ...)."""
         self._retry_at: dict[tuple[int, str], tuple[float, float]] = {}
 
     def offer(self, ann: WeightAnnouncement | None) -> None:
@@ -99,6 +104,10 @@ class WeightSync:
     def pending(self) -> bool:
         """The engine does not hold the target version yet."""
         return self.target_version != self.engine.version
+
+    def stuck(self) -> bool:
+        """The target version was refused and is still not loaded (a newer offer ends this)."""
+        return self.pending() and self.refused_version == self.target_version
 
     def apply(self) -> bool:
         """Load the target version now unless backing off after a refusal; True if loaded.
@@ -129,6 +138,7 @@ class WeightSync:
             self._refuse(key, "load", f"version {self.target_version} verified but failed to load: {e}")
             return False
         self.source.version = self.target_version
+        self.refused_version = None
         self._retry_at.pop(key, None)
         self.stats.applied += 1
         self.stats.last_pause_s = pause_s
@@ -139,6 +149,7 @@ class WeightSync:
         return True
 
     def _refuse(self, key: tuple[int, str], reason: str, msg: str) -> None:
+        self.refused_version, self.refused_reason = self.target_version, reason
         self.stats.refused += 1
         self.stats.refused_reasons[reason] = self.stats.refused_reasons.get(reason, 0) + 1
         backoff = self.retry_s if key not in self._retry_at else min(2 * self._retry_at[key][1], self.retry_max_s)

@@ -121,6 +121,10 @@ def run(cfg: LearnerConfig, run_dir: Path) -> Any:
     from lightning.pytorch.loggers import TensorBoardLogger
     from transformers import AutoConfig, AutoTokenizer
 
+    from vapo_async.generator.orphans import arm
+
+    arm()  # the evaluation engine's spawned vLLM processes die with the learner, even on SIGKILL
+
     from vapo_async.learner.checkpoint import LAST, Checkpointing
     from vapo_async.learner.config import trainer_kwargs, validate
     from vapo_async.learner.evaluation import HeldOutEval

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,22 @@ from vapo_async.transport.messages import WeightAnnouncement
 log = logging.getLogger("vapo_async.learner")
 
 
+def hydra_value(v: Any) -> str:
+    """``v`` (nested dicts, lists, scalars) as a Hydra command-line value that parses back to it."""
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(hydra_value(x) for x in v) + "]"
+    if isinstance(v, str):
+        # Hydra's quoted strings: backslashes are literal except before a quote or the closing quote
+        return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), v) + "'"
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    return repr(v)
+
+
 def reward_overrides(reward: RewardConfig) -> list[str]:
     """Hydra overrides that give a generator the learner's reward settings."""
     out = []
@@ -49,8 +66,7 @@ def reward_overrides(reward: RewardConfig) -> list[str]:
         value = getattr(reward, f.name)
         if f.name == "custom":
             if value is not None:
-                raise ValueError("reward.custom cannot be forwarded to local generators on the command "
-                                 "line; set it in conf/generator.yaml")
+                out.append(f"reward.custom={hydra_value(value)}")
             continue
         if isinstance(value, list):
             out.append(f"reward.{f.name}=[{','.join(str(v) for v in value)}]")

@@ -21,7 +21,7 @@ One ``RewardFn`` per process, shared by its threads; ``close()`` stops its math-
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,9 +71,12 @@ class RewardConfig:
     """Longer extracted answers are wrong without parsing."""
     max_brace_depth: int = 12
     """Answers with braces nested deeper than this are wrong without parsing."""
-    custom: dict[str, Any] | None = None
-    """Hydra node ``{"_target_": "pkg.module.fn", "_partial_": true, ...}`` for a custom reward
-    ``(response, ground_truth, num_tokens) -> Score | float``; replaces the rule-based score."""
+    custom: Any = None
+    """Hydra node ``{"_target_": "pkg.module.fn", "_partial_": true, ...}`` (a mapping) or None,
+    for a custom reward ``(response, ground_truth, num_tokens) -> Score | float`` that replaces the
+    rule-based score. Typed ``Any`` on purpose: OmegaConf cannot merge a command-line mapping
+    (``reward.custom={_target_:pkg.fn,_partial_:true}``) into a None-valued ``Dict`` node, but it
+    can set one on an ``Any`` node; ``__post_init__`` checks the shape instead."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
@@ -89,6 +92,11 @@ class RewardConfig:
             raise ValueError(
                 f"reward.answer_formats must be a non-empty subset of {ALL_FORMATS}, "
                 f"got {self.answer_formats}"
+            )
+        if self.custom is not None and not isinstance(self.custom, Mapping):
+            raise ValueError(
+                "reward.custom must be a mapping with a '_target_' key or null, "
+                f"got {type(self.custom).__name__} {self.custom!r:.80}"
             )
         if self.custom is not None and "_target_" not in self.custom:
             raise ValueError(

@@ -28,6 +28,9 @@ Rules the generator must follow:
   with newer versions are refused as ``version_future``), then ``request`` credit again.
 - ``Ack(status="rejected", reason=...)`` for a group means it was refused; ``version_stale`` /
   ``version_future`` say the weights are out of step with the controller.
+- Weights that fail verification or loading: ``weights_refused(version, held, reason, leases)``
+  hands back the leases that need them; ask for no credit until a newer version is loaded, then
+  ``request`` again (the controller re-issues the leases instead of waiting on this generator).
 
 Reconnects are automatic: when the controller answers ``unknown_session`` (it restarted), the client
 says hello again and the new ``Welcome`` comes out of ``poll()``.
@@ -58,6 +61,7 @@ from vapo_async.transport.messages import (
     Request,
     RolloutGroup,
     WeightAnnouncement,
+    WeightsRefused,
     Welcome,
     decode_announcement,
     decode_from_controller,
@@ -156,6 +160,12 @@ class ControllerClient:
             raise TimeoutError(f"controller at {self.cfg.endpoint} accepted nothing for "
                                f"{self.cfg.send_timeout_ms} ms") from None
         return True
+
+    def weights_refused(self, version: int, held: int, reason: str, return_leases: list[int]) -> None:
+        """Tell the controller that weights ``version`` were refused (``reason`` token) and version
+        ``held`` stays loaded, handing back ``return_leases`` (they need a version it cannot load).
+        It then grants this generator nothing until the next ``request``."""
+        self._send(WeightsRefused(version, held, reason, tuple(return_leases)).to_frames())
 
     def bye(self, return_leases: list[int]) -> None:
         """Leave cleanly, handing ``return_leases`` back for immediate re-issue."""

@@ -2,7 +2,7 @@
 
 Kinds (see docs/CONTRACTS.md):
 - generator -> controller: ``hello``, ``request``, ``group`` (``RolloutGroup``), ``heartbeat``,
-  ``bye``, ``fetch``.
+  ``bye``, ``fetch``, ``weights_refused``.
 - controller -> generator: ``welcome``, ``lease``, ``ack``, ``chunk``, ``error``.
 - PUB: ``weights`` (``WeightAnnouncement``).
 
@@ -39,12 +39,13 @@ from vapo_async.transport.wire import (
 
 __all__ = [
     "SCHEMA", "MessageError", "MessageLimits", "RolloutGroup", "encode_group", "decode_group",
-    "WeightAnnouncement", "Hello", "Request", "Heartbeat", "Bye", "Fetch", "Welcome", "Lease",
+    "WeightAnnouncement", "Hello", "Request", "Heartbeat", "Bye", "Fetch", "WeightsRefused", "Welcome", "Lease",
     "LeasePrompt", "Ack", "Chunk", "ErrorReply", "decode_from_generator", "decode_from_controller",
     "decode_announcement",
 ]
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_REASON = re.compile(r"[a-z0-9_]{1,64}")
 _SCALAR = (bool, int, float, str)
 
 
@@ -147,6 +148,23 @@ class Fetch:
                                "offset": self.offset, "length": self.length})]
 
 
+@dataclass(frozen=True)
+class WeightsRefused:
+    """The generator refused weight ``version`` (``reason``: checksum, size, outside_root,
+    fetch_timeout, load, ...) and keeps version ``held``. ``return_leases`` are its leases that
+    need a version it cannot load, handed back for immediate re-issue. Until it loads a newer
+    version (it then sends ``request`` again) it asks for no credit."""
+
+    version: int
+    held: int
+    reason: str
+    return_leases: tuple[int, ...] = ()
+
+    def to_frames(self) -> list[bytes]:
+        return [encode_header({"kind": "weights_refused", "version": self.version, "held": self.held,
+                               "reason": self.reason, "return_leases": list(self.return_leases)})]
+
+
 # ---- controller -> generator ----
 
 
@@ -244,9 +262,9 @@ class ErrorReply:
         return [encode_header({"kind": "error", "reason": self.reason, "detail": self.detail[:500]})]
 
 
-_GENERATOR_KINDS = frozenset({"hello", "request", "heartbeat", "bye", "fetch", "group"})
+_GENERATOR_KINDS = frozenset({"hello", "request", "heartbeat", "bye", "fetch", "group", "weights_refused"})
 _CONTROLLER_KINDS = frozenset({"welcome", "lease", "ack", "chunk", "error"})
-FromGenerator = Hello | Request | Heartbeat | Bye | Fetch | RolloutGroup
+FromGenerator = Hello | Request | Heartbeat | Bye | Fetch | WeightsRefused | RolloutGroup
 FromController = Welcome | Lease | Ack | Chunk | ErrorReply
 
 
@@ -280,6 +298,12 @@ def decode_from_generator(frames: Sequence[Frame], limits: MessageLimits, *, voc
     if kind == "fetch":
         return Fetch(get_int(h, "version", 0, 2**31 - 1), check_file_name(get_str(h, "file", 255)),
                      get_int(h, "offset", 0, limits.max_weight_bytes), get_int(h, "length", 1, limits.max_chunk_bytes))
+    if kind == "weights_refused":
+        reason = get_str(h, "reason", limits.max_id_chars)
+        if not _REASON.fullmatch(reason):
+            raise MessageError("field_range", "weights_refused reason must be a [a-z0-9_] token")
+        return WeightsRefused(get_int(h, "version", 0, 2**31 - 1), get_int(h, "held", 0, 2**31 - 1), reason,
+                              tuple(get_int_list(h, "return_leases", limits.max_lease_prompts)))
     raise MessageError("kind", f"unknown kind {kind[:40]!r}")
 
 
