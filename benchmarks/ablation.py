@@ -93,10 +93,10 @@ class Budget:
 
 
 BUDGETS = {
-    # quick: sized from a measured run on 2 shared CPU cores (see ablation.md's header for the
-    # wall times actually observed): the four algorithms and the two largest Table 1 ablations.
-    "quick": Budget("quick", ("vapo", "ppo", "grpo", "dapo", "vapo_without_value_pretraining",
-                              "vapo_without_decoupled_gae"), (0, 1, 2), steps=24, prompts=8, samples=8,
+    # quick: sized to <= 60 min on 2 CPU cores (~3.5 min per run: engine start, 24 steps of 64
+    # responses, post-hoc evaluation at 4 versions): the four algorithms x 3 seeds. The seven
+    # single-technique ablations need the `full` budget (or --variants).
+    "quick": Budget("quick", ("vapo", "ppo", "grpo", "dapo"), (0, 1, 2), steps=24, prompts=8, samples=8,
                     value_warmup_steps=3, eval_every=8, eval_prompts=32, eval_samples=16, timeout_s=600),
     "full": Budget("full", VARIANTS, (0, 1, 2), steps=200, prompts=16, samples=8, value_warmup_steps=8,
                    eval_every=10, eval_prompts=64, eval_samples=16, timeout_s=4 * 3600),
