@@ -227,3 +227,27 @@ def test_cli_errors_are_one_line(tiny_model_dir: Path, tmp_path: Path) -> None:
             failures.append(f"{mod} {args}: exit {proc.returncode}, error lines {errors}, needs {needle!r}\n"
                             f"{err[-1500:]}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_sigint_stops_a_learner_started_with_sigint_ignored(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A shell script's background job (`python -m vapo_async.learner ... &`) starts with SIGINT
+    ignored; the learner restores the KeyboardInterrupt handler, so a harness's SIGINT still stops
+    it (here while it waits for rollouts from generators that never come)."""
+    args = [f"hydra.run.dir={tmp_path / 'run'}", "generators.local=0", "eval.every_n_steps=0",
+            f"model.path={tiny_model_dir}", f"controller.transport.endpoint=ipc://{tmp_path}/ctl",
+            "trainer.enable_progress_bar=false"]
+    proc = subprocess.Popen([sys.executable, "-m", "vapo_async.learner", *args], env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "ctl").exists():  # the controller is bound: training is waiting for data
+            assert proc.poll() is None, f"learner exited early: {proc.stderr.read()[-2000:]}"  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the learner never bound its controller socket"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc)  # type: ignore[arg-type]
+    assert proc.returncode != 0 and proc.returncode != -signal.SIGKILL

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,9 @@ def _hydra_main(dcfg: DictConfig) -> None:
 def main() -> None:
     """Entry point: check the overrides (one-line errors), then hand over to Hydra."""
     overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
+    # A shell starts background jobs (`cmd &` in a script) with SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler: restore it, so SIGINT always stops training cleanly.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if "LOCAL_RANK" not in os.environ:  # Lightning's rank > 0 processes re-run a checked command
             check_overrides(overrides)
