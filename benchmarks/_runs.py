@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -175,6 +176,8 @@ def run_sequence(todo: Sequence[RunRecord], done: list[RunRecord], raw_root: Pat
             continue
         print(f"[{i + 1}/{len(todo)}] {rec.variant} seed {rec.seed}: {' '.join(rec.overrides)}", flush=True)
         run_dir = raw_root / f"{rec.variant}_s{rec.seed}"
+        if run_dir.exists():  # left by an interrupted attempt: a learner refuses to republish v1
+            shutil.rmtree(run_dir)
         run_learner(rec, run_dir, timeout_s, require_eval=evaluator is None)
         if evaluator is not None and rec.status == "ok":
             try:

@@ -240,7 +240,8 @@ def report(meta: dict, records: list[R.RunRecord], threshold: float, out_dir: Pa
     lines = [
         "# Ablation: VAPO's Table 1 on the embedded task", "",
         f"Produced by `python benchmarks/ablation.py --budget {meta['budget']}` on {meta['machine']}, "
-        f"{meta['date']}, commit {meta['commit']}; total wall time {meta.get('total_wall_s', 0) / 60:.0f} min.", "",
+        f"{meta['date']}, commit {meta['commit']}; learner wall time of all runs "
+        f"{sum(r.wall_s for r in records) / 60:.0f} min.", "",
         f"What ran: {meta['description']}.",
         *([f"Skipped for time: {', '.join(meta['skipped'])}."] if meta.get("skipped") else []),
         "Every row starts from the same tiny base with the same responses per step; the overrides of "
