@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_e2e_learner import _scalars
 
 HERE = Path(__file__).resolve().parent

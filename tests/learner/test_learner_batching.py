@@ -78,7 +78,7 @@ def test_micro_batches_is_optimal_against_brute_force() -> None:
         budget, o = int(rng.integers(30, 120)), float(rng.integers(0, 30))
         srt = sorted(lens, reverse=True)
 
-        def cost(parts):
+        def cost(parts, o=o):
             return sum(len(p) * max(p) + o for p in parts)
 
         best = float("inf")
