@@ -4,10 +4,11 @@
     python benchmarks/base_errors.py --model DIR [--model DIR2 ...] [--label NAME ...]
 
 Samples k responses per held-out problem (vLLM, temperature 1.0, top_p 1.0, the RL sampling
-setting) and parses every solution line ``(i) <verb> <k>: <before> <op> <k> = <after>`` against
-the problem's own events. Per line: was the event's verb copied from the question, was its
-operand copied, is the sign right for the true verb and for the verb the model wrote, is the
-arithmetic of the line right, does the line start from the previous line's result. Per response:
+setting) and parses every solution line ``(i) <verb> <sign><k>: <before> <op> <k> = <after>``
+against the problem's own events. Per line: was the event's verb copied from the question, was its
+operand copied, is the sign (the one after the verb) right for the true verb and for the verb the
+model wrote, separately for plain and exchange events, is the arithmetic of the line right, does
+the line start from the previous line's result. Per response:
 does it write one line per event, and is the answer right. This is the measurement behind the
 README's statement of why reinforcement learning moves the default run so little: a decision RL can
 sharpen must be one the model already gets right sometimes and that decides the reward on its own.
@@ -34,15 +35,18 @@ from vapo_async.eval import ProblemResult, build_llm, evaluate, shutdown_llm  # 
 from vapo_async.generator.config import EngineConfig  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-LINE = re.compile(r"^\((?P<i>\d+)\) (?P<verb>[a-z]+) (?P<k>\d+): (?P<a>-?\d+) (?P<op>[+-]) (?P<b>\d+) = (?P<c>-?\d+)$")
+LINE = re.compile(r"^\((?P<i>\d+)\) (?P<verb>[a-z]+) (?P<s>[+-])(?P<k>\d+): "
+                  r"(?P<a>-?\d+) (?P<op>[+-]) (?P<b>\d+) = (?P<c>-?\d+)$")
 LINE_KEYS = ("verb_copied", "operand_copied", "sign_right_for_true_verb", "sign_right_for_written_verb",
              "arithmetic_right", "chained")
 """Per-line rates, each over all parsed lines of events that exist in the problem."""
+KIND_KEYS = {"sign_right_plain": "plain_lines", "sign_right_exchange": "exchange_lines"}
+"""Sign right for the question's verb, over the lines of plain / exchange events only."""
 
 
 def classify(text: str, problem: synthetic.SyntheticProblem) -> tuple[dict[str, int], dict[str, bool]]:
     """(line counts by class, response flags) of one response to ``problem``."""
-    counts = dict.fromkeys(("lines", *LINE_KEYS), 0)
+    counts = dict.fromkeys(("lines", *LINE_KEYS, *KIND_KEYS, *KIND_KEYS.values()), 0)
     value = problem.start
     n_lines = 0
     for raw in text.strip().split("\n"):
@@ -54,7 +58,8 @@ def classify(text: str, problem: synthetic.SyntheticProblem) -> tuple[dict[str, 
         if not 0 <= i < len(problem.steps):
             continue
         step = problem.steps[i]
-        sign = 1 if m["op"] == "+" else -1
+        sign = 1 if m["s"] == "+" else -1
+        op = 1 if m["op"] == "+" else -1
         a, b, c = int(m["a"]), int(m["b"]), int(m["c"])
         written = synthetic.VERBS.get(m["verb"])
         counts["lines"] += 1
@@ -62,7 +67,10 @@ def classify(text: str, problem: synthetic.SyntheticProblem) -> tuple[dict[str, 
         counts["operand_copied"] += int(m["k"]) == step.k
         counts["sign_right_for_true_verb"] += sign == step.sign
         counts["sign_right_for_written_verb"] += written is not None and sign == written[0]
-        counts["arithmetic_right"] += c == a + sign * b
+        counts["arithmetic_right"] += c == a + op * b
+        kind = "exchange" if step.is_exchange else "plain"
+        counts[f"{kind}_lines"] += 1
+        counts[f"sign_right_{kind}"] += sign == step.sign
         counts["chained"] += a == value
         value = c
     flags = {"one_line_per_event": n_lines == len(problem.steps)}
@@ -71,7 +79,7 @@ def classify(text: str, problem: synthetic.SyntheticProblem) -> tuple[dict[str, 
 
 def analyse(results: list[ProblemResult], problems: list[synthetic.SyntheticProblem]) -> dict[str, float]:
     """Rates over every response of ``results``."""
-    total = dict.fromkeys(("lines", *LINE_KEYS), 0)
+    total = dict.fromkeys(("lines", *LINE_KEYS, *KIND_KEYS, *KIND_KEYS.values()), 0)
     responses = one_line = correct = 0
     for r in results:
         problem = problems[int(r.record.uid.rsplit(":", 1)[1])]
@@ -85,7 +93,8 @@ def analyse(results: list[ProblemResult], problems: list[synthetic.SyntheticProb
     lines = max(total["lines"], 1)
     return {"responses": responses, "lines": total["lines"], "accuracy": correct / max(responses, 1),
             "one_line_per_event": one_line / max(responses, 1),
-            **{key: total[key] / lines for key in LINE_KEYS}}
+            **{key: total[key] / lines for key in LINE_KEYS},
+            **{key: total[key] / max(total[of], 1) for key, of in KIND_KEYS.items()}}
 
 
 def measure(model: str, n: int, k: int) -> dict[str, float]:
@@ -114,6 +123,8 @@ def markdown(res: dict[str, object]) -> str:
              ("operand_copied", "operand copied from the question (per line)"),
              ("sign_right_for_true_verb", "sign right for the question's verb (per line)"),
              ("sign_right_for_written_verb", "sign right for the verb it wrote (per line)"),
+             ("sign_right_plain", "sign right, plain events (buys, loses, ...)"),
+             ("sign_right_exchange", "sign right, exchange events (gives, gets, ...)"),
              ("arithmetic_right", "line's arithmetic right (per line)"),
              ("chained", "line starts from the previous result (per line)")]
     for key, name in names:
@@ -131,7 +142,7 @@ def plot(res: dict[str, object], path: Path) -> None:
 
     rows = res["models"]
     assert isinstance(rows, list)
-    keys = ["accuracy", *LINE_KEYS]
+    keys = ["accuracy", *LINE_KEYS, *KIND_KEYS]
     fig, ax = plt.subplots(figsize=(11, 4))
     width = 0.8 / max(len(rows), 1)
     for j, r in enumerate(rows):

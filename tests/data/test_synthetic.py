@@ -20,7 +20,7 @@ from vapo_async.data.synthetic import (
     split_of,
 )
 
-LINE = re.compile(r"^\((?P<i>\d+)\) (?P<verb>[a-z]+) (?P<k>\d+)(?: (?:to|from) (?P<who>[A-Z][a-z]+))?: "
+LINE = re.compile(r"^\((?P<i>\d+)\) (?P<verb>[a-z]+) (?P<s>[+-])(?P<k>\d+): "
                   r"(?P<a>-?\d+) (?P<op>[+-]) (?P<b>\d+) = (?P<c>-?\d+)$")
 
 
@@ -46,6 +46,7 @@ def check_arithmetic(solution: str) -> tuple[int, list[dict[str, str]], int]:
         a, b, c = int(s["a"]), int(s["b"]), int(s["c"])
         assert a == value, f"step starts from {a}, previous result was {value}"
         assert b == int(s["k"]), "operand differs from the event's number"
+        assert s["s"] == s["op"], "the sign after the verb is the sign of the line's arithmetic"
         assert c == (a + b if s["op"] == "+" else a - b), f"wrong arithmetic in {s}"
         value = c
     assert answer == value

@@ -97,6 +97,9 @@ def test_loads_and_generates_in_transformers(smoke_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(smoke_dir)
     assert model.config.eos_token_id == tok.eos_token_id and model.config.model_type == "qwen2"
     assert tok.tokenize("Answer: 42")[-2:] == ["4", "2"]
+    # event numbers are single tokens (one-token induction for the copy), and decode unchanged
+    ids = tok("(12) gives -7:")["input_ids"]
+    assert tok.convert_ids_to_tokens(ids)[0] == "(12)" and tok.decode(ids) == "(12) gives -7:"
     prompt = synthetic.prompt_text(synthetic.make_problems(1, 0, 1, "eval")[0])
     enc = tok(prompt, return_tensors="pt")
     torch.manual_seed(0)

@@ -8,12 +8,12 @@ loadable by ``transformers.AutoModelForCausalLM/AutoTokenizer.from_pretrained`` 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 BOS = "<|bos|>"
@@ -41,12 +41,17 @@ class TinyQwen2Shape:
 
 
 def train_tokenizer(
-    texts: Iterable[str], vocab_size: int = 512, *, split_digits: bool = False
+    texts: Iterable[str],
+    vocab_size: int = 512,
+    *,
+    split_digits: bool = False,
+    added_tokens: Sequence[str] = (),
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on ``texts`` (deterministic for the same texts).
 
     ``split_digits`` makes every digit its own token (numbers are never merged), which lets a tiny
-    model learn arithmetic digit by digit.
+    model learn arithmetic digit by digit. ``added_tokens`` become single (non-special) tokens
+    wherever they occur, matched before pre-tokenisation, e.g. the synthetic task's ``(3)``.
     """
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -65,6 +70,8 @@ def train_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    if added_tokens:
+        tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in added_tokens])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="left"
     )

@@ -3,9 +3,12 @@
 A problem follows one person's count of some item through a sequence of events ("finds 5",
 "gives 7 to Ben", ...); each event adds or subtracts a number. The question numbers the events
 ``(1) ..., (2) ...``; the worked solution has one line per event,
-``(<i>) <verb> <k>: <before> <op> <k> = <after>`` (the partner of an exchange is left out: it
-does not change the count, and copying names cost the tiny base most of its errors), and ends
-with ``Answer: N``. The running count keeps
+``(<i>) <verb> <op><k>: <before> <op> <k> = <after>``, e.g. ``(2) gives -7: 84 - 7 = 77``, and ends
+with ``Answer: N``. The partner of an exchange is left out (it does not change the count, and
+copying names cost the tiny base most of its errors). The sign is written right after the verb
+that decides it, so a model can learn verb -> sign as a one-token step; with the sign seven tokens
+later (``gives 7: 84 - 7``, the first layout) the tiny base never learnt it and guessed the sign
+from the running count (``benchmarks/base_errors.py``). The running count keeps
 its digit count (10-99 up to difficulty 3), so every line has the same layout. Solution length
 grows with the number of events, from about 20 to about 200 tokens with the tiny tokenizer (mean
 ~80 at difficulty 2), so that length-dependent parts of the algorithm (length-adaptive GAE,
@@ -35,6 +38,10 @@ from .templates import apply_template
 
 Split = Literal["train", "eval"]
 
+EVENT_MARKERS = tuple(f"({i})" for i in range(1, 21))
+"""Event numbers as they appear in questions and solutions; the tiny base's tokenizer makes each
+one a single token, so finding event i in the question is one-token induction (with ``(``, digit,
+``)`` the tiny base copied only ~57% of events; with single tokens, >90% in the same budget)."""
 EVAL_FRACTION_PERCENT = 10
 """Share of the canonical problem space routed to the held-out split (percent)."""
 _SPLIT_SALT = "vapo_async.synthetic.v1"
@@ -185,7 +192,8 @@ def render_solution(start: int, steps: tuple[Step, ...], flips: frozenset[int] =
     for i, s in enumerate(steps):
         sign = -s.sign if i in flips else s.sign
         new = value + sign * s.k
-        lines.append(f"({i + 1}) {s.verb} {s.k}: {value} {'+' if sign > 0 else '-'} {s.k} = {new}")
+        op = "+" if sign > 0 else "-"
+        lines.append(f"({i + 1}) {s.verb} {op}{s.k}: {value} {op} {s.k} = {new}")
         value = new
     lines.append(f"Answer: {value}")
     return "\n".join(lines)

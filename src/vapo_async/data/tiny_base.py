@@ -5,7 +5,8 @@ generation_config.json, tokenizer files, model.safetensors, BUILD_INFO.json) tha
 vLLM load. Building it:
 
 1. draws training problems of the synthetic task (``data.synthetic``, train split only);
-2. trains a byte-level BPE tokenizer whose digits are single tokens (``hf_dir.train_tokenizer``);
+2. trains a byte-level BPE tokenizer whose digits are single tokens and whose event numbers
+   ``(1)``..``(20)`` are one token each (``hf_dir.train_tokenizer``);
 3. pre-trains a small Qwen2 (``hf_dir.qwen2_config``) on ``prompt + imperfect solution + EOS``, with
    the prompt exactly as the RL run renders it (``data.templates``) and the loss on completion tokens
    only. Imperfect solutions flip the sign of each exchange step with probability ``error_rate``
@@ -50,7 +51,7 @@ from .templates import resolve_template
 
 log = logging.getLogger(__name__)
 
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 """Bumped whenever the recipe changes in a way the config does not capture (invalidates caches)."""
 INFO_FILE = "BUILD_INFO.json"
 REQUIRED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "model.safetensors", INFO_FILE)
@@ -67,14 +68,20 @@ class TinyBaseConfig:
     """Seed of problems, solution errors, weight init and batch order."""
     difficulty: int = 2
     """Synthetic-task difficulty the base is trained on (``synthetic.DIFFICULTIES``)."""
-    error_rate: float = 0.3
-    """Probability that an imperfect solution flips the sign of an exchange step."""
+    error_rate: float = 0.5
+    """Probability that an imperfect solution flips the sign of an exchange step (a flip that would
+    leave the value range is skipped, so about 0.42 of exchange signs are wrong in training). At 0.4
+    the base's held-out accuracy was 45.7%, at the top of issue 3's 15-45% band."""
     template: str = "answer_line"
     """Prompt template (``data.templates``); must match the RL run's ``data.template``."""
     vocab_size: int = 512
     """BPE vocabulary size."""
     split_digits: bool = True
     """Every digit its own token (else BPE merges numbers, e.g. " 68" becomes one token)."""
+    event_marker_tokens: bool = True
+    """Event numbers ``(1)``..``(20)`` as single tokens (``synthetic.EVENT_MARKERS``). In a 1,500-step
+    trial the base then copied event verbs with p 0.93 and operands with p 0.997 (teacher-forced),
+    against 0.51 and 0.11 with ``(``, digit, ``)``."""
     hidden_size: int = 128
     """Model width."""
     intermediate_size: int = 384
@@ -276,7 +283,8 @@ def build_tiny_base(cfg: TinyBaseConfig, out_dir: str | Path) -> dict[str, objec
             synthetic.prompt_text(p, cfg.template) + synthetic.imperfect_solution(p, tok_rng, cfg.error_rate)
             for p in problems[: cfg.tokenizer_problems]
         ]
-        tok = train_tokenizer(texts, cfg.vocab_size, split_digits=cfg.split_digits)
+        markers = synthetic.EVENT_MARKERS if cfg.event_marker_tokens else ()
+        tok = train_tokenizer(texts, cfg.vocab_size, split_digits=cfg.split_digits, added_tokens=markers)
         torch.manual_seed(cfg.seed)
         model = Qwen2ForCausalLM(qwen2_config(tok, cfg.shape())).float()
         losses = _train(cfg, model, _batches(cfg, tok, problems))
