@@ -43,7 +43,7 @@ PAPER_AIME24 = {  # PAPER.md, VAPO Table 1 (AIME24 avg@32, Qwen2.5-32B); GRPO fr
 }
 BUDGET_FIELDS = ("group_size", "batch_groups", "value_warmup_steps")
 """AlgoConfig fields the budget sets for every row (same sample budget across rows)."""
-MODEL_FIELDS = ("actor_lr", "critic_lr")
+MODEL_FIELDS = ("actor_lr", "critic_lr", "alpha")
 """AlgoConfig fields conf/model/tiny.yaml sets for every row alike (checked equal across rows)."""
 
 
@@ -151,7 +151,7 @@ def check_rows(budget: Budget) -> None:
                                    f"{getattr(want, f.name)!r}")
         lrs.add(tuple(getattr(cfg.algo, f) for f in MODEL_FIELDS))
     if len(lrs) > 1:
-        raise RuntimeError(f"rows got different learning rates {sorted(lrs)}; the comparison needs one")
+        raise RuntimeError(f"rows got different {MODEL_FIELDS} {sorted(lrs)}; the comparison needs one")
 
 
 # ---- report -------------------------------------------------------------------------------------

@@ -80,6 +80,11 @@ def read_curves(tb_dir: Path, start: float) -> dict[str, list[list[float]]]:
     return {t: [[e.step, (e.wall_time - start) / 60, e.value] for e in ea.Scalars(t)] for t in TAGS if t in have}
 
 
+def _load_start(res: dict) -> str:
+    value = res.get("load_start")
+    return "not recorded" if value is None else f"{value:.1f}"
+
+
 def write_report(res: dict) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "default_run.json").write_text(json.dumps(res, indent=1))
@@ -96,8 +101,8 @@ def write_report(res: dict) -> None:
     md = f"""# The default run, measured
 
 Command: `python -m vapo_async.learner` (only `hydra.run.dir` added), stopped after {res['budget_min']:.0f} min
-of wall time. Machine: {res['machine']}; 1-min load average at the end {res['load_end']:.1f} (shared machine:
-other engineers' processes ran on the same 2 cores during the run, so times are pessimistic).
+of wall time. Machine: {res['machine']}; 1-min load average at the end {res['load_end']:.1f} (it counts the run's
+own learner, generator and vLLM threads; the load before the run: {_load_start(res)}).
 Tiny base: {'built before the run in ' + format(res['base_build_s'], '.0f') + ' s (not counted)' if res['base_build_s'] > 30 else 'cached'}.
 Wall time of the run: {res['wall_s'] / 60:.1f} min, exit code {res['returncode']}, {len(steps)} training steps.
 
@@ -146,11 +151,13 @@ def main() -> None:
         print((RESULTS / "default_run.md").read_text())
         return
     build_s = ensure_base()
+    load_start = os.getloadavg()[0]
     run_dir = RESULTS / "tmp" / "default_run"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     wall, code, start = run(run_dir, args.minutes)
     res = {"machine": f"{platform.platform()}, {os.cpu_count()} CPUs", "budget_min": args.minutes,
            "base_build_s": build_s, "wall_s": wall, "returncode": code, "load_end": os.getloadavg()[0],
+           "load_start": load_start,
            "curves": read_curves(run_dir / "tb", start)}
     write_report(res)
     print((RESULTS / "default_run.md").read_text())

@@ -9,13 +9,16 @@ embedded ~1M-parameter Qwen2-shaped model on 2 CPU cores):
 - Learning rates: under width (muP-style) scaling Adam's lr grows ~ 1 / width; hidden 5120 -> 128
   is 40x, so 1e-6 -> 4e-5, rounded to actor_lr = 5e-5. The paper's critic moves 2x faster
   (2e-6) but starts from a trained reward model; ours starts from the base with a fresh value
-  head, so critic_lr = 2e-4 (4x the actor).
+  head, so critic_lr = 2e-4 (4x the actor). The tiny model preset (conf/model/tiny.yaml) raises
+  actor_lr to 1.5e-4, measured: at 5e-5 the policy barely moved on the embedded task.
 - Batch: 16 prompts x G = 8 = 128 responses per step, in 4 mini-batches of 32 (the paper uses
   8192 responses in 16 mini-batches of 512; 2 CPU cores do not fit more per step).
 - Value pretraining: the paper's 50 steps (1% of a 5000-step run) -> 10 steps.
 - LR warm-up: DAPO's 20 steps -> 5. eta = 4 (AReaL's default for code tasks).
-- Unchanged: gamma 1, lambda_critic 1, lambda_policy 0.95 (non-adaptive), alpha 0.05 (eq. 5 is
-  relative to each response's length, so it needs no rescaling), clips 0.2 / 0.28, mu = 0.1.
+- Unchanged: gamma 1, lambda_critic 1, lambda_policy 0.95 (non-adaptive), alpha 0.05, clips
+  0.2 / 0.28, mu = 0.1. Departure in the tiny model preset: alpha 0.5, because eq. 5 at 0.05 gives
+  the embedded task's 20-200-token responses lambda_policy 0-0.9 (advantages mostly a young
+  critic's TD errors), where the paper's long responses see 0.98-0.999; 0.5 restores 0.9-0.99.
 
 Choices where the papers are silent: behaviour weight capped at 5.0 in "mask" mode (AReaL's
 example) for every preset, since it belongs to the asynchronous system rather than to one
