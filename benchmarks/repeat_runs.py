@@ -87,7 +87,7 @@ def write_report(meta: dict, records: list[RunRecord]) -> None:
 Command per seed: `python -m vapo_async.learner seed=S [overrides]` (default configuration: tiny base,
 synthetic task, VAPO, one local vLLM generator), stopped with SIGINT after {meta['minutes']:.0f} min of wall
 time ("completed" = ran until stopped or finished without a crash). {meta['machine']}, {meta['date']},
-commit {meta['commit']}. The machine was shared with other jobs. Held-out accuracy = `eval/accuracy`
+commit {meta['commit']}. Held-out accuracy = `eval/accuracy`
 (avg@16 at temperature 1.0 on 64 held-out problems, every 10 steps).
 
 {table}

@@ -28,7 +28,10 @@ def _compose(overrides: list[str]) -> LearnerConfig:
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_algo_presets_compose_to_the_algo_package_presets(name):
-    assert _compose([f"algo={name}"]).algo == PRESETS[name]  # the tiny default keeps the presets
+    # the tiny default is the preset plus the two knobs conf/model/tiny.yaml scales (lr, eq. 5 alpha)
+    scale = yaml.safe_load((CONF_DIR / "model" / "tiny.yaml").read_text())["algo"]
+    assert scale == {"actor_lr": 1.5e-4, "alpha": 0.5}
+    assert _compose([f"algo={name}"]).algo == dataclasses.replace(PRESETS[name], **scale)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
