@@ -40,8 +40,10 @@ Split = Literal["train", "eval"]
 
 EVENT_MARKERS = tuple(f"({i})" for i in range(1, 21))
 """Event numbers as they appear in questions and solutions; the tiny base's tokenizer makes each
-one a single token, so finding event i in the question is one-token induction (with ``(``, digit,
-``)`` the tiny base copied only ~57% of events; with single tokens, >90% in the same budget)."""
+one a single token, so finding event i in the question is one-token induction (a 1,500-step trial,
+teacher-forced: verb copied with p 0.93 and operand 0.997, against 0.51 / 0.11 with ``(``, digit,
+``)``; the default base samples the right verb in 99% of lines but the right operand in only 68%,
+failing mostly on late events of long questions)."""
 EVAL_FRACTION_PERCENT = 10
 """Share of the canonical problem space routed to the held-out split (percent)."""
 _SPLIT_SALT = "vapo_async.synthetic.v1"
