@@ -11,8 +11,10 @@ import pytest
 import zmq
 from ctl_helpers import VOCAB, fake_announcement, run_learner, trained_ids
 
+from vapo_async.controller.config import ControllerConfig
 from vapo_async.transport.fuzz import FAMILIES, malformed_messages
 from vapo_async.transport.messages import (
+    ErrorReply,
     Hello,
     Lease,
     MessageLimits,
@@ -134,6 +136,25 @@ def test_heartbeats_keep_a_lease_until_the_hard_deadline(make_controller, endpoi
     gen.send_group(lease, lease.prompts[0].index)  # a late answer is still accepted, once
     assert len(ctl.next_batch(1, 5)) == 1
     gen.close()
+
+
+def test_silent_session_without_leases_is_forgotten_after_session_timeout(make_controller, endpoint) -> None:
+    ctl = make_controller(lease_timeout_s=0.3, session_timeout_s=1.0)  # not 2 x 0.3 = 0.6 s
+    gen = RawGenerator(endpoint, "quiet")
+    gen.hello()
+    time.sleep(0.8)  # silent past 2 x lease_timeout_s but within session_timeout_s: still known
+    assert ctl.metrics()["controller/generators"] == 1
+    time.sleep(0.6)  # 1.4 s > 1.0 s: forgotten
+    assert ctl.metrics()["controller/generators"] == 0
+    gen.sock.send_multipart(Request(1).to_frames())
+    reply = gen.recv()
+    assert isinstance(reply, ErrorReply) and reply.reason == "unknown_session"
+    gen.close()
+
+
+def test_session_timeout_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="session_timeout_s must be >= 0"):
+        ControllerConfig(session_timeout_s=-1.0)
 
 
 def test_restart_with_new_session_and_bye_reissue_at_once(make_controller, endpoint) -> None:

@@ -3,11 +3,13 @@ the engine keeps sampling exactly as before, and the refusals are counted by rea
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from genhelp import Published, generate
 
 from vapo_async.generator.config import SamplingConfig
@@ -93,5 +95,42 @@ def test_older_announcements_are_ignored_but_a_session_reset_goes_back(engine, p
         assert _tokens(engine) == base_tokens
         with pytest.raises(ValueError, match="announces"):
             sync.reset(3, published.anns[1])
+    finally:
+        client.close()
+
+
+def test_pruned_versions_and_wrong_layouts_never_reach_the_engine(engine, published: Published,
+                                                                   tmp_path: Path) -> None:
+    # fetch_timeout_s: a version gone from the shared directory is fetched from the controller (none here)
+    cfg = TransportConfig(endpoint=f"ipc://{tmp_path}/no-controller", weights_root=str(published.root),
+                          fetch_timeout_s=1.0)
+    client = ControllerClient(cfg, "sync-test-3")
+    sync = WeightSync(client, engine, tmp_path / "cache", base_dir=published.dir(0), retry_s=0.0)
+    try:
+        sync.offer(published.publish(40))
+        assert sync.apply() is True
+        pinned = tmp_path / "cache" / "v00000040"
+        assert os.path.samefile(pinned / "model.safetensors", published.dir(40) / "model.safetensors")  # a link
+        reference = _tokens(engine)
+        shutil.rmtree(published.dir(40))  # the learner pruned the version the engine holds: the pin stays
+        assert (pinned / "model.safetensors").stat().st_size > 0
+        # verified files of the wrong layout: refused before the engine sees them (vLLM's in-place
+        # reload cannot recover from a wrongly shaped tensor)
+        wide = {k: v.clone() for k, v in published.base.items()}
+        wide["model.norm.weight"] = torch.ones(wide["model.norm.weight"].shape[0] + 3)
+        sync.offer(published.publisher.publish(41, wide))
+        assert sync.apply() is False
+        assert sync.stats.refused_reasons == {"layout": 1}
+        assert engine.version == 40 and _tokens(engine) == reference
+        # a version pruned before this generator got to it: refused, nothing loaded
+        gone = published.publish(42)
+        shutil.rmtree(gone.path)
+        sync.offer(gone)
+        assert sync.apply() is False and engine.version == 40 and _tokens(engine) == reference
+        assert sync.stats.refused_reasons == {"layout": 1, "fetch_timeout": 1}
+        sync.offer(published.publish(43))  # the newer version loads
+        assert sync.apply() is True and engine.version == 43 and _tokens(engine) != reference
+        kept = sorted(p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith("v"))
+        assert kept == ["v00000043"]  # the restore point of the next reload; refused pins are gone
     finally:
         client.close()

@@ -84,6 +84,27 @@ def test_safetensors_writer_matches_reference_reader(tmp_path: Path) -> None:
             assert got.dtype == v.dtype and got.shape == v.shape and torch.equal(got, v), k
 
 
+def test_read_layout_matches_reference_reader_and_names_bad_headers(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(2, 3), "b": torch.zeros(5)}, str(tmp_path / "model-1.safetensors"))
+    save_file({"c": torch.zeros(())}, str(tmp_path / "model-2.safetensors"))  # written by the reference
+    layout = safetensors_io.read_layout(tmp_path)
+    assert layout == {"a": (2, 3), "b": (5,), "c": ()}
+    assert safetensors_io.layout_mismatch(layout, dict(layout)) == ""
+    moved = {"a": (3, 2), "b": (5,), "d": (1,)}
+    assert safetensors_io.layout_mismatch(layout, moved) == "missing ['c']; unexpected ['d']; a [3, 2] != [2, 3]"
+    save_file({"b": torch.zeros(5)}, str(tmp_path / "model-3.safetensors"))
+    with pytest.raises(ValueError, match=r"model-3.safetensors: tensors \['b'\] also appear"):
+        safetensors_io.read_layout(tmp_path)
+    (tmp_path / "model-3.safetensors").write_bytes((2**40).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match="model-3.safetensors: not a safetensors file"):
+        safetensors_io.read_layout(tmp_path)
+    (tmp_path / "model-3.safetensors").write_bytes((4).to_bytes(8, "little") + b"{oops")
+    with pytest.raises(ValueError, match="model-3.safetensors: malformed safetensors header"):
+        safetensors_io.read_layout(tmp_path)
+
+
 def test_keeps_last_k_versions_and_never_the_new_one(tmp_path: Path, tiny_model_dir: Path) -> None:
     sd = {"w": torch.ones(4)}
     pub = WeightPublisher(tmp_path, tiny_model_dir, keep=2)

@@ -22,6 +22,9 @@ class ControllerConfig:
     """Most prompts in one lease (a generator's credit is served by several leases if larger)."""
     heartbeat_s: float = 0.0
     """Heartbeat period told to generators; 0 = lease_timeout_s / 4."""
+    session_timeout_s: float = 0.0
+    """A generator session that sent nothing for this long and holds no lease is forgotten (its
+    next message gets ``unknown_session`` and it says hello again); 0 = 2 x lease_timeout_s."""
     seed: int = 0
     """Seed of the per-epoch prompt shuffle (epoch e uses permutation(seed, e))."""
     shuffle: bool = True
@@ -44,6 +47,8 @@ class ControllerConfig:
             raise ValueError(
                 f"need 0 < lease_timeout_s <= lease_max_s, got {self.lease_timeout_s}, {self.lease_max_s}"
             )
+        if self.session_timeout_s < 0:
+            raise ValueError(f"session_timeout_s must be >= 0 (0 = 2 x lease_timeout_s), got {self.session_timeout_s}")
         if self.max_lease_prompts < 1 or self.keep_announcements < 1:
             raise ValueError("max_lease_prompts and keep_announcements must be >= 1")
         if "n" in self.sampling and (not isinstance(self.sampling["n"], int) or self.sampling["n"] < 1):
@@ -52,3 +57,7 @@ class ControllerConfig:
     def resolved_heartbeat_s(self) -> float:
         """The heartbeat period generators are told to use."""
         return self.heartbeat_s if self.heartbeat_s > 0 else self.lease_timeout_s / 4
+
+    def resolved_session_timeout_s(self) -> float:
+        """Silence after which a lease-less generator session is forgotten."""
+        return self.session_timeout_s if self.session_timeout_s > 0 else 2 * self.lease_timeout_s

@@ -344,7 +344,7 @@ class Controller(Handlers):
 
     def _drop_idle_sessions(self, now: float) -> None:
         idle = [ident for ident, s in self.sessions.items()
-                if now - s.last_seen > 2 * self.cfg.lease_timeout_s and not self.ledger.by_owner.get(ident)]
+                if now - s.last_seen > self.cfg.resolved_session_timeout_s() and not self.ledger.by_owner.get(ident)]
         for ident in idle:
             self._forget_session(ident)
 

@@ -5,7 +5,12 @@ An announcement can arrive three ways (PUB ``weights``, a lease's ``weights``, t
 it current: ``ControllerClient.resolve_weights`` verifies the announced directory (inside the
 trusted weights root, manifest checksum, every file's size and sha256) or, when this machine cannot
 read it, fetches it in chunks into the local cache and verifies it there; then the engine reloads in
-place (``VLLMEngine.reload``). A directory that fails verification is refused: the engine keeps its
+place (``VLLMEngine.reload``) once its tensor names and shapes match the base model's (vLLM cannot
+recover from a failed in-place reload of a wrongly shaped tensor). A version read from the learner's directory is first pinned into
+the cache with hard links (``pin_version``): the learner prunes all but its newest ``keep_weights``
+versions, and a generator that falls behind must neither lose the files it is loading nor the ones
+a failed reload restores from (across filesystems, where hard links are impossible, the shared
+directory is used as is and a warning says so once). A directory that fails verification is refused: the engine keeps its
 current weights, ``weights_refused`` counts it, an error is logged, and the same announcement is
 retried after a back-off (a newer one is tried at once). While the target version is refused
 (``stuck``), the sampling loop hands back leases that need it and asks for no credit.
@@ -13,7 +18,9 @@ retried after a back-off (a newer one is tried at once). While the target versio
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import re
 import shutil
 import time
@@ -23,6 +30,7 @@ from typing import Protocol
 
 from vapo_async.generator.engine import Engine, ReloadError
 from vapo_async.transport.messages import WeightAnnouncement
+from vapo_async.transport.safetensors_io import layout_mismatch, read_layout
 from vapo_async.transport.weights import WeightsError
 
 log = logging.getLogger(__name__)
@@ -82,6 +90,8 @@ class WeightSync:
         self.refused_reason = ""
         """Reason token of that refusal (checksum, size, outside_root, fetch_timeout, load, ...)."""
         self._retry_at: dict[tuple[int, str], tuple[float, float]] = {}
+        self._links_work = True
+        self._base_layout: dict[str, tuple[int, ...]] | None = None
 
     def offer(self, ann: WeightAnnouncement | None) -> None:
         """Aim for ``ann`` if it is newer than both the engine's weights and the current target."""
@@ -129,6 +139,14 @@ class WeightSync:
             except WeightsError as e:
                 self._refuse(key, e.reason, f"version {ann.version} at {ann.path} refused: {e}")
                 return False
+            try:
+                path = self._pin(path)
+            except FileNotFoundError as e:  # pruned between verification and pinning
+                self._refuse(key, "vanished", f"version {ann.version} at {ann.path} vanished before loading: {e}")
+                return False
+            if problem := self._layout_problem(path):
+                self._refuse(key, "layout", f"version {ann.version} at {ann.path} refused: {problem}")
+                return False
         resolve_s = time.perf_counter() - t0
         try:
             pause_s = self.engine.reload(path, self.target_version)
@@ -148,6 +166,34 @@ class WeightSync:
         self._prune_cache(keep={path.name})
         return True
 
+    def _layout_problem(self, path: Path) -> str:
+        """'' when ``path``'s tensors have the names and shapes of the base model's, else why not.
+        Checked before the engine is touched: vLLM's in-place reload cannot recover from a tensor of
+        the wrong shape (a restore after it fails the same way), so such a version must never reach it."""
+        if self.base_dir is None:
+            return ""
+        try:
+            if self._base_layout is None:
+                self._base_layout = read_layout(self.base_dir)
+            return layout_mismatch(self._base_layout, read_layout(path))
+        except ValueError as e:
+            return str(e)
+
+    def _pin(self, path: Path) -> Path:
+        """``path`` hard-linked into the cache (itself when already there or when links fail)."""
+        if path.parent.resolve() == self.cache_dir.resolve() or not self._links_work:
+            return path
+        try:
+            return pin_version(path, self.cache_dir)
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+            self._links_work = False
+            log.warning("cannot hard-link weights from %s into %s (%s): loading from the learner's directory; "
+                        "a generator lagging more than checkpoint.keep_weights versions may then fail a reload",
+                        path.parent, self.cache_dir, e)
+            return path
+
     def _refuse(self, key: tuple[int, str], reason: str, msg: str) -> None:
         self.refused_version, self.refused_reason = self.target_version, reason
         self.stats.refused += 1
@@ -157,10 +203,32 @@ class WeightSync:
         log.error("%s; keeping weights version %d (retry in %.0f s)", msg, self.engine.version, backoff)
 
     def _prune_cache(self, keep: set[str]) -> None:
-        """Delete fetched versions other than the current one and the newest older one."""
+        """Delete fetched or pinned versions other than the one just loaded (a failed reload
+        restores from that one; refused versions go too)."""
         if not self.cache_dir.is_dir():
             return
-        versions = sorted(p for p in self.cache_dir.iterdir() if p.is_dir() and _VERSION_DIR.fullmatch(p.name))
-        older = [p for p in versions if p.name not in keep]
-        for p in older[:-1]:  # the newest older one stays: a failed reload restores from it
-            shutil.rmtree(p)
+        for p in self.cache_dir.iterdir():
+            if p.is_dir() and _VERSION_DIR.fullmatch(p.name) and p.name not in keep:
+                shutil.rmtree(p)
+
+
+def pin_version(src: Path, cache_dir: Path) -> Path:
+    """Hard-link the verified version directory ``src`` (regular files only) to
+    ``cache_dir/src.name`` and return that path; the files then survive the learner pruning
+    ``src``. A directory of the same name already in the cache (an earlier run's) is replaced.
+    Raises ``FileNotFoundError`` when ``src`` vanished, ``OSError`` (EXDEV, ...) when links fail."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".pin-{src.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        for name in os.listdir(src):
+            os.link(src / name, tmp / name)
+        dest = cache_dir / src.name
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest

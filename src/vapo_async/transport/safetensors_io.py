@@ -84,3 +84,37 @@ def plan_shards(tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[dict
         shards[-1][name] = t
         size += n
     return shards
+
+
+MAX_HEADER_BYTES = 100 << 20
+"""Largest safetensors header ``read_layout`` accepts (the format's own limit)."""
+
+
+def read_layout(weights_dir: Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} over every ``*.safetensors`` file in ``weights_dir``, from the headers
+    only. Raises ``ValueError`` naming the file when a header is malformed or a name repeats."""
+    layout: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(weights_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+            if not 0 < n <= MAX_HEADER_BYTES:
+                raise ValueError(f"{path}: not a safetensors file (header length {n})")
+            try:
+                header = json.loads(f.read(n))
+                shapes = {k: tuple(int(d) for d in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{path}: malformed safetensors header: {e}") from None
+        if repeated := set(shapes) & set(layout):
+            raise ValueError(f"{path}: tensors {sorted(repeated)[:3]} also appear in another shard")
+        layout.update(shapes)
+    return layout
+
+
+def layout_mismatch(expected: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ...]]) -> str:
+    """'' when ``got`` has the same tensor names and shapes as ``expected``, else what differs."""
+    missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    reshaped = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
+    parts = [f"missing {missing[:3]}" if missing else "", f"unexpected {extra[:3]}" if extra else "",
+             ", ".join(f"{k} {list(got[k])} != {list(expected[k])}" for k in reshaped[:3])]
+    return "; ".join(p for p in parts if p)
