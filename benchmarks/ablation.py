@@ -93,11 +93,12 @@ class Budget:
 
 
 BUDGETS = {
-    # quick: sized to <= 60 min on 2 CPU cores (~3.5 min per run: engine start, 24 steps of 64
-    # responses, post-hoc evaluation at 4 versions): the four algorithms x 3 seeds. The seven
-    # single-technique ablations need the `full` budget (or --variants).
-    "quick": Budget("quick", ("vapo", "ppo", "grpo", "dapo"), (0, 1, 2), steps=24, prompts=8, samples=8,
-                    value_warmup_steps=3, eval_every=8, eval_prompts=32, eval_samples=16, timeout_s=600),
+    # quick: sized to <= 60 min on 2 CPU cores (~4 min per run: engine start, 36 steps of 64
+    # responses, post-hoc evaluation at 4 versions): the four algorithms x 3 seeds. 36 x 64 responses
+    # are what the default run (16 x 8 per step) has seen by its step 18, where it has learnt. The
+    # seven single-technique ablations need the `full` budget (or --variants).
+    "quick": Budget("quick", ("vapo", "ppo", "grpo", "dapo"), (0, 1, 2), steps=36, prompts=8, samples=8,
+                    value_warmup_steps=3, eval_every=12, eval_prompts=32, eval_samples=16, timeout_s=600),
     "full": Budget("full", VARIANTS, (0, 1, 2), steps=200, prompts=16, samples=8, value_warmup_steps=8,
                    eval_every=10, eval_prompts=64, eval_samples=16, timeout_s=4 * 3600),
 }

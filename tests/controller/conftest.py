@@ -54,3 +54,13 @@ def start_generator(endpoint: str) -> Iterator[Callable[..., GeneratorThread]]:
     for g in started:
         if g.thread.is_alive() or not g.gen.client._sockets.dealer.closed:
             g.stop()
+
+
+@pytest.fixture(autouse=True)
+def _close_raw_generators() -> Iterator[None]:
+    """Close every ``test_server.RawGenerator`` a test left open (e.g. after a failed assert)."""
+    yield
+    import test_server
+
+    while test_server.RawGenerator.live:
+        test_server.RawGenerator.live.pop().close()

@@ -65,20 +65,17 @@ def test_group_round_trip_bit_exact_in_memory(seed: int, G: int) -> None:
 
 
 def test_group_round_trip_over_ipc_socket_is_bit_exact_and_zero_copy(tmp_path) -> None:
-    ctx = zmq.Context()
-    rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    rx.bind(f"ipc://{tmp_path}/s")
-    tx.connect(f"ipc://{tmp_path}/s")
-    g = _group(3, G=16, lengths=(1500, 2000))  # ~200 KB of arrays: frames travel zero-copy
-    tx.send_multipart(encode_group(g), copy=False)
-    frames = rx.recv_multipart(copy=False)
-    out = decode_group(frames, LIMITS, vocab_size=V, max_version=3)
-    _assert_bit_equal(g, out)
-    # the decoded arrays are views onto the received frames, not copies
-    assert np.shares_memory(out.response_ids[0], np.frombuffer(frames[2].buffer, np.uint8))
-    tx.close(0)
-    rx.close(0)
-    ctx.term()
+    with zmq.Context() as ctx:  # destroyed (sockets closed) on exit, also after a failed assert
+        rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        rx.bind(f"ipc://{tmp_path}/s")
+        tx.connect(f"ipc://{tmp_path}/s")
+        g = _group(3, G=16, lengths=(1500, 2000))  # ~200 KB of arrays: frames travel zero-copy
+        tx.send_multipart(encode_group(g), copy=False)
+        frames = rx.recv_multipart(copy=False)
+        out = decode_group(frames, LIMITS, vocab_size=V, max_version=3)
+        _assert_bit_equal(g, out)
+        # the decoded arrays are views onto the received frames, not copies
+        assert np.shares_memory(out.response_ids[0], np.frombuffer(frames[2].buffer, np.uint8))
 
 
 def _frames(g: RolloutGroup | None = None) -> list:
