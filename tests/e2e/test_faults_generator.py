@@ -54,8 +54,9 @@ from vapo_async.transport.weights import WeightPublisher
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 B, ETA, LEASE_S = 2, 1, 5.0
-SAMPLE_SLACK_S = 6.0
-"""Allowed wait beyond the lease timeout: re-sampling the re-issued prompt on a loaded CPU."""
+SAMPLE_SLACK_S = 8.0
+"""Allowed wait beyond the lease timeout: re-sampling the re-issued prompt on a loaded CPU (one
+wait of 11.1 s was measured with a benchmark sharing the 2 cores)."""
 START_TIMEOUT_S = 240.0
 RESAMPLE_LIMIT_S = 30.0
 """Most time the other generator may take to re-sample a hung generator's work (lease timeout

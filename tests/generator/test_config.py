@@ -76,15 +76,24 @@ def test_forked_children_die_with_the_generator(tmp_path: Path) -> None:
     child = int(parent.stdout.readline())
     parent.send_signal(signal.SIGKILL)  # like kill -9 of a generator: no cleanup code runs
     parent.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
+        if not _running(child):
             return
         time.sleep(0.05)
+    state = Path(f"/proc/{child}/status").read_text().splitlines()[1:8]
     os.kill(child, signal.SIGKILL)
-    pytest.fail("the forked child outlived its SIGKILLed parent")
+    pytest.fail(f"the forked child outlived its SIGKILLed parent: {state}")
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (a killed child waits, dead, until init reaps it: slow
+    on a loaded machine, and os.kill(pid, 0) still succeeds meanwhile)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -57,7 +57,24 @@ def die_with_parent_forks() -> None:
     """Make processes *forked* from this one get SIGKILL when it dies (Linux only). Spawned
     children (vLLM's default here) need ``arm()`` instead."""
     if sys.platform.startswith("linux"):
-        os.register_at_fork(after_in_child=lambda: _prctl_pdeathsig(signal.SIGKILL))
+        os.register_at_fork(before=_remember_forking_pid, after_in_child=_arm_forked_child)
+
+
+_forking_pid = 0
+"""Pid of the process about to fork (set in the parent just before, inherited by the child)."""
+
+
+def _remember_forking_pid() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def _arm_forked_child() -> None:
+    """PDEATHSIG, then the same race check as a spawned child's: the parent may have died between
+    the fork and the prctl (seen on a loaded machine), and then no signal would ever come."""
+    _prctl_pdeathsig(signal.SIGKILL)
+    if os.getppid() != _forking_pid:
+        os._exit(ORPHAN_EXIT_CODE)
 
 
 def _watch_parent(parent_pid: int) -> None:
