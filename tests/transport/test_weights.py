@@ -103,6 +103,14 @@ def test_read_layout_matches_reference_reader_and_names_bad_headers(tmp_path: Pa
     (tmp_path / "model-3.safetensors").write_bytes((4).to_bytes(8, "little") + b"{oops")
     with pytest.raises(ValueError, match="model-3.safetensors: malformed safetensors header"):
         safetensors_io.read_layout(tmp_path)
+    # with an index, only the shards it names count (model-3 is some other export beside them)
+    index = {"weight_map": {"a": "model-1.safetensors", "b": "model-1.safetensors", "c": "model-2.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert safetensors_io.read_layout(tmp_path) == layout
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../x.safetensors"}}))
+    with pytest.raises(ValueError, match="outside the directory"):
+        safetensors_io.read_layout(tmp_path)
+    assert safetensors_io.read_layout(tmp_path / "nothing-here") == {}
 
 
 def test_keeps_last_k_versions_and_never_the_new_one(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -214,3 +222,41 @@ def test_disk_full_simulated(tmp_path: Path, tiny_model_dir: Path, monkeypatch: 
     with pytest.raises(WeightPublishError, match="could not publish weights version 1"):
         pub.publish(1, {"w": torch.zeros(10)})
     _no_partial_left(tmp_path)
+
+
+def test_resolve_weights_pins_hard_links_and_verifies_them(tmp_path: Path, tiny_model_dir: Path,
+                                                          caplog: pytest.LogCaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from vapo_async.transport.client import ControllerClient
+    from vapo_async.transport.config import TransportConfig
+
+    root, cache = tmp_path / "weights", tmp_path / "cache"
+    pub = WeightPublisher(root, tiny_model_dir, keep=2)
+    client = ControllerClient(TransportConfig(endpoint=f"ipc://{tmp_path}/none", weights_root=str(root)), "pin")
+    try:
+        ann1 = pub.publish(1, {"w": torch.ones(4)})
+        pinned = client.resolve_weights(ann1, cache)
+        assert pinned == cache / "v00000001"
+        assert os.path.samefile(pinned / "model.safetensors", Path(ann1.path) / "model.safetensors")
+        pub.publish(2, {"w": torch.ones(4)})
+        pub.publish(3, {"w": torch.ones(4)})  # keep=2: the learner prunes v1 ...
+        assert not Path(ann1.path).exists()
+        assert verify_weights_dir(pinned, cache, ann1) == pinned  # ... the pinned links still verify
+        # a directory caught half pruned: the links are what is verified, and they are incomplete
+        ann4 = pub.publish(4, {"w": torch.ones(4)})
+        (Path(ann4.path) / "model.safetensors").unlink()
+        with pytest.raises(WeightsError) as e:
+            client.resolve_weights(ann4, cache)
+        assert e.value.reason == "unexpected_files"
+        with pytest.raises(ValueError, match="is the learner's weights directory"):
+            client.resolve_weights(pub.publish(5, {"w": torch.ones(4)}), root)
+        # no hard links (another filesystem): the learner's directory itself, one warning
+        monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EXDEV, "cross-device")))
+        ann6 = pub.publish(6, {"w": torch.ones(4)})
+        with caplog.at_level("WARNING"):
+            assert client.resolve_weights(ann6, cache) == Path(ann6.path)
+            assert client.resolve_weights(ann6, cache) == Path(ann6.path)
+        assert sum("cannot hard-link" in r.message for r in caplog.records) == 1
+    finally:
+        client.close()
+        pub.close()

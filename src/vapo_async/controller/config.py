@@ -47,8 +47,9 @@ class ControllerConfig:
             raise ValueError(
                 f"need 0 < lease_timeout_s <= lease_max_s, got {self.lease_timeout_s}, {self.lease_max_s}"
             )
-        if self.session_timeout_s < 0:
-            raise ValueError(f"session_timeout_s must be >= 0 (0 = 2 x lease_timeout_s), got {self.session_timeout_s}")
+        if self.session_timeout_s < 0 or 0 < self.session_timeout_s < 2 * self.resolved_heartbeat_s():
+            raise ValueError(f"session_timeout_s must be 0 (= 2 x lease_timeout_s) or at least two heartbeat periods "
+                             f"({2 * self.resolved_heartbeat_s():g} s), got {self.session_timeout_s}")
         if self.max_lease_prompts < 1 or self.keep_announcements < 1:
             raise ValueError("max_lease_prompts and keep_announcements must be >= 1")
         if "n" in self.sampling and (not isinstance(self.sampling["n"], int) or self.sampling["n"] < 1):

@@ -18,6 +18,7 @@ refused initial weights) end with a one-line message and exit code 2.
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import sys
 import threading
@@ -121,7 +122,8 @@ def run(cfg: GeneratorConfig) -> int:
             path = client.resolve_weights(first, cache)
             engine = VLLMEngine(path, cfg.engine, first.version)
             client.version = engine.version
-        weights = WeightSync(client, engine, cache, base_dir=cfg.model, base_version=cfg.model_version)
+        weights = WeightSync(client, engine, cache, base_dir=cfg.model, base_version=cfg.model_version,
+                             layout_dir=cfg.model or engine.model_dir)
         loop = GeneratorLoop(client, engine, weights, reward_fn, cfg.sampling, cfg.max_prompts,
                              cfg.stats_interval_s)
         stop.on_stop.append(loop.stop)
@@ -139,6 +141,9 @@ def run(cfg: GeneratorConfig) -> int:
         reward_fn.close()
         if engine is not None:
             engine.shutdown()
+        # the cache holds links to the learner's files (they would outlive its pruning) and
+        # fetched copies: nothing in it is needed once the engine is gone
+        shutil.rmtree(cache, ignore_errors=True)
     return 0
 
 

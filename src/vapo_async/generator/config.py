@@ -135,7 +135,9 @@ class GeneratorConfig:
     max_prompts: int = 8
     """Prompts (each G responses) in flight at once: the credit this generator asks for."""
     weights_cache: str = "~/.cache/vapo_async/weights"
-    """Where weights are fetched to when the announced path is not readable on this machine."""
+    """Where this generator keeps the weights it loads (in a subfolder named by its id, removed on
+    exit): hard links to the learner's files when it can read them, else chunked fetches. Must
+    not be the learner's weights directory."""
     connect_timeout_s: float | None = None
     """Give up when no controller answers within this many seconds; None = wait forever."""
     stats_interval_s: float = 10.0

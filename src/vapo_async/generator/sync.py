@@ -5,12 +5,13 @@ An announcement can arrive three ways (PUB ``weights``, a lease's ``weights``, t
 it current: ``ControllerClient.resolve_weights`` verifies the announced directory (inside the
 trusted weights root, manifest checksum, every file's size and sha256) or, when this machine cannot
 read it, fetches it in chunks into the local cache and verifies it there; then the engine reloads in
-place (``VLLMEngine.reload``) once its tensor names and shapes match the base model's (vLLM cannot
-recover from a failed in-place reload of a wrongly shaped tensor). A version read from the learner's directory is first pinned into
-the cache with hard links (``pin_version``): the learner prunes all but its newest ``keep_weights``
-versions, and a generator that falls behind must neither lose the files it is loading nor the ones
-a failed reload restores from (across filesystems, where hard links are impossible, the shared
-directory is used as is and a warning says so once). A directory that fails verification is refused: the engine keeps its
+place (``VLLMEngine.reload``) once its tensor names and shapes match the reference layout (the base
+model's, or the first version loaded; vLLM cannot recover from a failed in-place reload of a
+wrongly shaped tensor). A version read from the learner's directory is hard-linked into the cache
+first and the links are verified (``resolve_weights``): the learner prunes all but its newest
+``keep_weights`` versions, and a generator that falls behind must neither lose the files it is
+loading nor the ones a failed reload restores from. The cache keeps exactly the loaded version.
+A directory that fails verification is refused: the engine keeps its
 current weights, ``weights_refused`` counts it, an error is logged, and the same announcement is
 retried after a back-off (a newer one is tried at once). While the target version is refused
 (``stuck``), the sampling loop hands back leases that need it and asks for no credit.
@@ -18,9 +19,7 @@ retried after a back-off (a newer one is tried at once). While the target versio
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import re
 import shutil
 import time
@@ -69,11 +68,13 @@ class WeightSync:
     (``reset``): a learner that restarted from an older checkpoint announces an older version,
     and groups sampled with newer weights would be refused, so the engine goes back to it
     (``base_dir`` holds version ``base_version``, used when the controller has no announcement).
+    ``layout_dir`` (default ``base_dir``) gives the reference tensor layout; raises ``ValueError``
+    when its safetensors headers are malformed (a configuration error, not a refusal).
     """
 
     def __init__(self, source: WeightSource, engine: Engine, cache_dir: str | Path,
                  base_dir: str | Path | None = None, base_version: int = 0,
-                 retry_s: float = 5.0, retry_max_s: float = 60.0) -> None:
+                 retry_s: float = 5.0, retry_max_s: float = 60.0, layout_dir: str | Path | None = None) -> None:
         self.source = source
         self.engine = engine
         self.cache_dir = Path(cache_dir).expanduser()
@@ -90,8 +91,9 @@ class WeightSync:
         self.refused_reason = ""
         """Reason token of that refusal (checksum, size, outside_root, fetch_timeout, load, ...)."""
         self._retry_at: dict[tuple[int, str], tuple[float, float]] = {}
-        self._links_work = True
-        self._base_layout: dict[str, tuple[int, ...]] | None = None
+        ref = layout_dir if layout_dir is not None else self.base_dir
+        self.layout = (read_layout(ref) or None) if ref is not None else None
+        """Tensor names and shapes every version must have (None: taken from the first version loaded)."""
 
     def offer(self, ann: WeightAnnouncement | None) -> None:
         """Aim for ``ann`` if it is newer than both the engine's weights and the current target."""
@@ -139,14 +141,11 @@ class WeightSync:
             except WeightsError as e:
                 self._refuse(key, e.reason, f"version {ann.version} at {ann.path} refused: {e}")
                 return False
-            try:
-                path = self._pin(path)
-            except FileNotFoundError as e:  # pruned between verification and pinning
-                self._refuse(key, "vanished", f"version {ann.version} at {ann.path} vanished before loading: {e}")
-                return False
-            if problem := self._layout_problem(path):
+            layout, problem = self._check_layout(path)
+            if problem:
                 self._refuse(key, "layout", f"version {ann.version} at {ann.path} refused: {problem}")
                 return False
+            self.layout = self.layout or layout  # the first version loaded sets it when nothing did
         resolve_s = time.perf_counter() - t0
         try:
             pause_s = self.engine.reload(path, self.target_version)
@@ -166,33 +165,17 @@ class WeightSync:
         self._prune_cache(keep={path.name})
         return True
 
-    def _layout_problem(self, path: Path) -> str:
-        """'' when ``path``'s tensors have the names and shapes of the base model's, else why not.
-        Checked before the engine is touched: vLLM's in-place reload cannot recover from a tensor of
-        the wrong shape (a restore after it fails the same way), so such a version must never reach it."""
-        if self.base_dir is None:
-            return ""
+    def _check_layout(self, path: Path) -> tuple[dict[str, tuple[int, ...]] | None, str]:
+        """(``path``'s tensor layout, '' or what differs from the reference). Checked before the
+        engine is touched: after vLLM's in-place reload fails on a wrongly shaped tensor a restore
+        fails the same way, so such a version must never reach it."""
         try:
-            if self._base_layout is None:
-                self._base_layout = read_layout(self.base_dir)
-            return layout_mismatch(self._base_layout, read_layout(path))
-        except ValueError as e:
-            return str(e)
-
-    def _pin(self, path: Path) -> Path:
-        """``path`` hard-linked into the cache (itself when already there or when links fail)."""
-        if path.parent.resolve() == self.cache_dir.resolve() or not self._links_work:
-            return path
-        try:
-            return pin_version(path, self.cache_dir)
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-                raise
-            self._links_work = False
-            log.warning("cannot hard-link weights from %s into %s (%s): loading from the learner's directory; "
-                        "a generator lagging more than checkpoint.keep_weights versions may then fail a reload",
-                        path.parent, self.cache_dir, e)
-            return path
+            layout = read_layout(path) or None
+        except (ValueError, OSError) as e:
+            return None, str(e)
+        if self.layout is None or layout is None:
+            return layout, ""
+        return layout, layout_mismatch(self.layout, layout)
 
     def _refuse(self, key: tuple[int, str], reason: str, msg: str) -> None:
         self.refused_version, self.refused_reason = self.target_version, reason
@@ -209,26 +192,5 @@ class WeightSync:
             return
         for p in self.cache_dir.iterdir():
             if p.is_dir() and _VERSION_DIR.fullmatch(p.name) and p.name not in keep:
-                shutil.rmtree(p)
+                shutil.rmtree(p, ignore_errors=True)
 
-
-def pin_version(src: Path, cache_dir: Path) -> Path:
-    """Hard-link the verified version directory ``src`` (regular files only) to
-    ``cache_dir/src.name`` and return that path; the files then survive the learner pruning
-    ``src``. A directory of the same name already in the cache (an earlier run's) is replaced.
-    Raises ``FileNotFoundError`` when ``src`` vanished, ``OSError`` (EXDEV, ...) when links fail."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f".pin-{src.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        for name in os.listdir(src):
-            os.link(src / name, tmp / name)
-        dest = cache_dir / src.name
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.rename(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest

@@ -68,7 +68,12 @@ from vapo_async.transport.messages import (
     encode_group,
 )
 from vapo_async.transport.sockets import ClientSockets
-from vapo_async.transport.weights import WeightsError, verify_weights_dir
+from vapo_async.transport.weights import (
+    WeightsError,
+    locate_version,
+    pin_version,
+    verify_weights_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +97,7 @@ class ControllerClient:
         self.welcome: Welcome | None = None
         self.rejected: Counter[str] = Counter()
         """Invalid controller messages dropped, per reason."""
+        self._links_work = True
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
         try:
@@ -264,17 +270,32 @@ class ControllerClient:
         return Path(self.welcome.weights_root)
 
     def resolve_weights(self, ann: WeightAnnouncement, local_dir: str | Path) -> Path:
-        """A verified directory holding ``ann``'s weights: the announced path when this machine
-        can read it, else a chunked fetch into ``local_dir``. Raises ``WeightsError`` when the
-        files fail verification (traversal, checksum, size): keep the current weights then."""
+        """A verified directory holding ``ann``'s weights in ``local_dir``: hard links to the
+        announced directory when this machine can read it (so the learner's pruning cannot take
+        the files away; across filesystems, the announced directory itself, with one warning),
+        else a chunked fetch. Raises ``WeightsError`` when the files fail verification (traversal,
+        checksum, size) or vanished: keep the current weights then."""
         path = Path(ann.path)
         try:
             readable = path.is_dir() and (path / "MANIFEST.json").is_file()
         except OSError:
             readable = False
-        if readable:
-            return verify_weights_dir(path, self.weights_root(), ann, self.cfg.limits)
-        return self.fetch_weights(ann, Path(local_dir))
+        if not readable:
+            return self.fetch_weights(ann, Path(local_dir))
+        root = self.weights_root()
+        if self._links_work:
+            try:
+                pinned = pin_version(locate_version(path, root, ann.version), Path(local_dir))
+            except FileNotFoundError as e:  # pruned while we looked
+                raise WeightsError("vanished", f"version {ann.version} at {path} vanished: {e}") from None
+            except OSError as e:
+                self._links_work = False
+                log.warning("cannot hard-link weights from %s into %s (%s): reading the learner's directory; "
+                            "a generator lagging more than checkpoint.keep_weights versions may then fail a "
+                            "reload", root, local_dir, e)
+            else:
+                return verify_weights_dir(pinned, Path(local_dir), ann, self.cfg.limits)
+        return verify_weights_dir(path, root, ann, self.cfg.limits)
 
     def fetch_weights(self, ann: WeightAnnouncement, dest_dir: Path) -> Path:
         """Fetch ``ann``'s files over the ROUTER in chunks into ``dest_dir/v{version:08d}``

@@ -91,10 +91,12 @@ MAX_HEADER_BYTES = 100 << 20
 
 
 def read_layout(weights_dir: Path) -> dict[str, tuple[int, ...]]:
-    """{tensor name: shape} over every ``*.safetensors`` file in ``weights_dir``, from the headers
-    only. Raises ``ValueError`` naming the file when a header is malformed or a name repeats."""
+    """{tensor name: shape} over the safetensors shards of ``weights_dir`` (those its index names,
+    else every ``*.safetensors`` file), from the headers only; {} when there are none. Raises
+    ``ValueError`` naming the file when a header or the index is malformed or a name repeats, and
+    ``OSError`` when a shard cannot be read."""
     layout: dict[str, tuple[int, ...]] = {}
-    for path in sorted(Path(weights_dir).glob("*.safetensors")):
+    for path in _safetensors_files(Path(weights_dir)):
         with open(path, "rb") as f:
             raw = f.read(8)
             n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
@@ -109,6 +111,20 @@ def read_layout(weights_dir: Path) -> dict[str, tuple[int, ...]]:
             raise ValueError(f"{path}: tensors {sorted(repeated)[:3]} also appear in another shard")
         layout.update(shapes)
     return layout
+
+
+def _safetensors_files(weights_dir: Path) -> list[Path]:
+    """The shards ``model.safetensors.index.json`` names, else every ``*.safetensors`` file."""
+    index = weights_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return sorted(weights_dir.glob("*.safetensors"))
+    try:
+        names = set(json.loads(index.read_bytes())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: malformed index: {e}") from None
+    if any(not isinstance(n, str) or "/" in n or n.startswith(".") for n in names):
+        raise ValueError(f"{index}: weight_map names a file outside the directory")
+    return sorted(weights_dir / n for n in names)
 
 
 def layout_mismatch(expected: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ...]]) -> str:

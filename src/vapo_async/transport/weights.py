@@ -198,7 +198,8 @@ def parse_manifest(raw: bytes, ann: WeightAnnouncement, limits: MessageLimits) -
     return files
 
 
-def _inside_root(path: Path, root: Path, version: int) -> Path:
+def locate_version(path: Path, root: Path, version: int) -> Path:
+    """The real path of ``path`` after checking it is ``root/v{version:08d}`` (no traversal, no symlink)."""
     if path.is_symlink():
         raise WeightsError("symlink", f"{path} is a symlink")
     real = Path(os.path.realpath(path))
@@ -208,13 +209,39 @@ def _inside_root(path: Path, root: Path, version: int) -> Path:
     return real
 
 
+def pin_version(src: Path, cache_dir: Path) -> Path:
+    """Hard-link the version directory ``src`` (regular files) to ``cache_dir/src.name`` and return
+    that path: the files then survive the learner pruning ``src``. Verify the result, not ``src``
+    (a directory being pruned or republished while it is linked yields a partial or other copy). A
+    directory of the same name already in the cache is replaced. Raises ``FileNotFoundError`` when
+    ``src`` vanished, another ``OSError`` (EXDEV, EPERM, ...) when links cannot be made."""
+    if os.path.realpath(cache_dir) == os.path.realpath(src.parent):
+        raise ValueError(f"the weights cache {cache_dir} is the learner's weights directory: pinning would "
+                         "delete the versions it reads (set weights_cache elsewhere)")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".pin-{src.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        for name in os.listdir(src):
+            os.link(src / name, tmp / name, follow_symlinks=False)
+        dest = cache_dir / src.name
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
 def verify_weights_dir(path: str | Path, root: str | Path, ann: WeightAnnouncement,
                        limits: MessageLimits | None = None) -> Path:
     """The resolved ``path`` after checking it is ``root/v{ann.version:08d}`` (no traversal or
     symlinks), holds exactly the manifest's files as regular files, and matches every size and
     sha256 (the manifest's own sha256 = ``ann.checksum``). Raises ``WeightsError``."""
     limits = limits or MessageLimits()
-    real = _inside_root(Path(path), Path(root), ann.version)
+    real = locate_version(Path(path), Path(root), ann.version)
     try:
         st = os.lstat(real / MANIFEST)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
