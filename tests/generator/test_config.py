@@ -138,3 +138,19 @@ def test_bad_values_fail_before_the_engine_starts(tiny_model_dir: Path, tmp_path
                 or "EngineCore" in err:
             failures.append(f"{args}: exit {proc.returncode}, error lines {errors}, needs {key!r}\n{err[-1500:]}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_cpu_worker_env_defaults_set_but_never_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from vapo_async.generator.config import EngineConfig
+    from vapo_async.generator.engine import CPU_WORKER_ENV, engine_kwargs
+
+    # a private copy of the environment: nothing set here leaks into later tests' processes
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in CPU_WORKER_ENV})
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")  # the user's choice wins
+    engine_kwargs(tmp_path, EngineConfig())
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
+    assert os.environ["MALLOC_MMAP_THRESHOLD_"] == CPU_WORKER_ENV["MALLOC_MMAP_THRESHOLD_"] == "131072"
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setenv("VAPO_CPU_WORKER_ENV", "0")  # vLLM's and glibc's own defaults
+    engine_kwargs(tmp_path, EngineConfig())
+    assert "MALLOC_MMAP_THRESHOLD_" not in os.environ

@@ -153,11 +153,26 @@ def versions_from_spans(spans: Sequence[Any] | None, n_tokens: int) -> np.ndarra
     return out
 
 
+CPU_WORKER_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8", "MALLOC_MMAP_THRESHOLD_": "131072"}
+"""Environment defaults for vLLM's CPU processes (``os.environ.setdefault``: a value set by the
+user wins). oneDNN caches one compiled kernel per matmul shape (1024 by default) and a sampling
+engine meets a new batch shape at nearly every step; with glibc's adaptive mmap threshold the
+freed activations then stay on the heap. Measured (benchmarks/results/worker_rss.md): a vLLM
+worker sampling varied batches with a reload between them grew 1087 -> 1276 MiB (+17.4%) from
+round 10 to round 60 with vLLM's and glibc's defaults, 947 -> 951 MiB (+0.4%) with these. They
+take effect in processes started after they are set (the engine core and its worker), not in an
+in-process engine. ``VAPO_CPU_WORKER_ENV=0`` skips them."""
+
+
 def engine_kwargs(model_dir: str | Path, cfg: EngineConfig) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` for ``cfg`` on the current platform."""
+    """Keyword arguments of ``vllm.LLM`` for ``cfg`` on the current platform (on CPU this also
+    sets ``CPU_WORKER_ENV`` defaults for the processes vLLM is about to start)."""
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
+    if on_cpu and os.environ.get("VAPO_CPU_WORKER_ENV", "1") != "0":  # 0: vLLM's and glibc's own defaults
+        for key, value in CPU_WORKER_ENV.items():
+            os.environ.setdefault(key, value)
     kwargs: dict[str, Any] = dict(
         model=str(model_dir),
         dtype=cfg.dtype,
