@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -94,7 +95,9 @@ def test_fetch_refuses_corrupt_source_and_unknown_version(served, tmp_path: Path
 
 def test_resolve_uses_readable_path_and_refuses_traversal(served, tmp_path: Path) -> None:
     ctl, client, _, ann = served
-    assert client.resolve_weights(ann, tmp_path / "local") == Path(ann.path)
+    pinned = client.resolve_weights(ann, tmp_path / "local")  # hard links to the readable path
+    assert pinned == tmp_path / "local" / "v00000001"
+    assert os.path.samefile(pinned / "model.safetensors", Path(ann.path) / "model.safetensors")
     assert ctl.metrics().get("transport/fetch_bytes", 0) == 0  # shared filesystem: no fetch
     outside = tmp_path / "elsewhere" / "v00000001"
     shutil.copytree(ann.path, outside)
