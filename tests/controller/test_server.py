@@ -176,7 +176,8 @@ def test_restart_with_new_session_and_bye_reissue_at_once(make_controller, endpo
     assert len(first.lease(3).prompts) == 3
     again = RawGenerator(endpoint, "gen", session="new")  # the same generator restarted
     again.hello()
-    assert ctl.accounting()["reissued"] == 3  # immediately, not after 30 s
+    acc = ctl.accounting()  # immediately, not after 30 s; one lease of 3 items released
+    assert acc["reissued"] == 3 and acc["leases_released"] == 1 and acc.get("leases_expired", 0) == 0
     lease = again.lease(4)
     assert len(lease.prompts) == 4  # 3 re-issued + 1 new (capacity (1 + 1) * 2 = 4)
     again.sock.send_multipart([msgpack.packb({"schema": 1, "kind": "bye", "return_leases": [lease.lease_id]})])
@@ -184,6 +185,7 @@ def test_restart_with_new_session_and_bye_reissue_at_once(make_controller, endpo
     while ctl.accounting()["reissued"] < 7 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert ctl.accounting()["pending"] == 4 and ctl.metrics()["controller/generators"] == 0
+    assert ctl.accounting()["leases_released"] == 2  # the bye returned the second one
     first.close()
     again.close()
 

@@ -254,9 +254,11 @@ def test_sigkill_three_times_with_restarts_loses_nothing(make_run, pool: Generat
     acc = run.assert_exactly_once()
     run.assert_versions()
     assert len(kills) == 3 and all(k["held"] for k in kills), kills
-    # each kill's leases were re-issued: by their deadline, or at once when a reply to the dead
-    # peer proved unroutable (the controller then forgets the session)
-    assert acc.get("reissued", 0) >= 3 and acc.get("leases_expired", 0) >= 1, acc
+    # each kill's leases were re-issued: by their deadline (expired), or at once when a reply to
+    # the dead peer proved unroutable (the controller then forgets the session: released). Which
+    # of the two happens depends on timing, so only their sum is certain.
+    ended = acc.get("leases_expired", 0) + acc.get("leases_released", 0)
+    assert acc.get("reissued", 0) >= 3 and ended >= 3, acc
     wait = _max_wait(run, t0)
     assert wait <= LEASE_S + SAMPLE_SLACK_S, f"the consumer stalled {wait:.1f} s (lease timeout {LEASE_S} s)"
     by_gen = run.by_generator()

@@ -187,6 +187,7 @@ class Ledger:
         chosen = list(mine) if lease_ids is None else [i for i in lease_ids if i in mine]
         for lease_id in chosen:
             self.deactivate(lease_id)
+        self.counts["leases_released"] += len(chosen)
         if lease_ids is None:
             self.by_owner.pop(owner, None)
         return len(chosen)
