@@ -68,16 +68,18 @@ def write_report(meta: dict, records: list[RunRecord]) -> None:
         fin = final_value(ev)
         if fin is not None:
             finals.append(fin)
+        best = max(ev, key=lambda p: p[1]) if ev else None
         ro = rollout_tail(r)
         rows.append([variant(r), r.seed, status_of(r), "-" if r.returncode is None else r.returncode,
                      f"{r.wall_s / 60:.1f}", len(r.curve("train/version")),
                      "-" if not ev else f"{100 * ev[0][1]:.1f}%",
                      "-" if fin is None else f"{100 * fin:.1f}% (step {int(ev[-1][0])})",
+                     "-" if best is None else f"{100 * best[1]:.1f}% (step {int(best[0])})",
                      "-" if ro is None else f"{100 * ro:.1f}%"])
     m, sd = mean_std(finals)
     crashes = sum(status_of(r) != "completed" for r in records)
     table = markdown_table(["run", "seed", "status", "exit code", "minutes", "steps", "held-out at step 0",
-                            "final held-out", "rollout acc. (last 10 steps)"], rows)
+                            "final held-out", "best held-out", "rollout acc. (last 10 steps)"], rows)
     summary = "none" if m is None else f"{100 * m:.1f}% ± {100 * (sd or 0):.1f}% over {len(finals)} runs"
     notes = "\n".join(f"- {n}" for n in meta.get("notes", []))
     MD.write_text(f"""# Repeated default runs

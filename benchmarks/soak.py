@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _runs import RESULTS, read_scalars, run_meta  # noqa: E402
+from _runs import CURVE_TAGS, RESULTS, read_scalars, run_meta  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 JSON, MD, PNG = (RESULTS / f"soak.{ext}" for ext in ("json", "md", "png"))
@@ -198,7 +198,7 @@ def analyse(raw: dict[str, Any], run_dir: Path, args: argparse.Namespace) -> dic
     gaps = [b[1] - a[1] for a, b in zip(steps, steps[1:], strict=False)]
     growth = rss_growth(raw["samples"], 60 * args.warmup_min, 60 * args.window_min)
     measured = [g for g in growth if g["growth"] is not None]
-    curves = read_scalars(run_dir / "tb", ("rollout/accuracy", "eval/accuracy")) if (run_dir / "tb").is_dir() else {}
+    curves = read_scalars(run_dir / "tb", CURVE_TAGS) if (run_dir / "tb").is_dir() else {}
     return {
         "minutes": args.minutes, "warmup_min": args.warmup_min, "window_min": args.window_min,
         "stall_threshold_s": args.stall_s, "deadlock_threshold_s": args.deadlock_s,
@@ -208,7 +208,7 @@ def analyse(raw: dict[str, Any], run_dir: Path, args: argparse.Namespace) -> dic
         "vanished": raw["vanished"], "early_exit": raw["early_exit"], "exit_code": raw["exit_code"],
         "rss": growth, "max_growth": max((g["growth"] for g in measured), default=None),
         "rss_target": RSS_TARGET, "step_times": steps, "samples": raw["samples"], "wall_s": raw["wall_s"],
-        "cmd": raw["cmd"], "accuracy": curves,
+        "cmd": raw["cmd"], "curves": curves,
     }
 
 
@@ -263,6 +263,10 @@ def write_report(res: dict[str, Any]) -> None:
     ok = lambda c: "met" if c else "MISSED"  # noqa: E731
     notes = "\n".join(f"- {n}" for n in res.get("notes", []))
     mg = res["max_growth"]
+    ev = res.get("curves", {}).get("eval/accuracy", [])
+    held_out = "n/a" if not ev else (
+        f"{100 * ev[0][1]:.1f}% (step {ev[0][0]:.0f}) -> best {100 * max(v for _, v in ev):.1f}% "
+        f"(step {max(ev, key=lambda p: p[1])[0]:.0f}) -> last {100 * ev[-1][1]:.1f}% (step {ev[-1][0]:.0f})")
     MD.write_text(f"""# Soak run
 
 {res['label']}
@@ -278,6 +282,7 @@ Learner: {res['learner']}. The machine was shared with other jobs (load is not c
 | deadlocks (no step for {res['deadlock_threshold_s']:.0f} s) | {res['deadlocks']} | 0 ({ok(res['deadlocks'] == 0)}) |
 | crashes | {res['crashes']} (learner exited early: {res['early_exit'] is not None}; processes lost mid-run: {len(res['vanished'])}; exit code after the SIGINT: {res['exit_code']}, Lightning's code for an interrupted fit) | 0 ({ok(res['crashes'] == 0)}) |
 | generator restarts | {res['restarts']} | |
+| held-out accuracy (`eval/accuracy`, avg@16) | {held_out} | |
 | largest RSS growth after warm-up | {pct(mg)} | <= 5% ({ok(mg is not None and mg <= RSS_TARGET)}) |
 
 RSS growth = median RSS over the last {res['window_min']:.0f} min vs the median over minutes
