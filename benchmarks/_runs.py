@@ -86,24 +86,38 @@ def _descendants(pid: int, known: dict[int, Any]) -> None:
         pass
 
 
-def _reap(known: dict[int, Any], grace_s: float = 15.0) -> int:
-    """SIGTERM the processes in ``known`` still running (generators the learner started and did not
-    stop, e.g. because it was killed), SIGKILL them after ``grace_s``; returns how many were left."""
+def _reap(known: dict[int, Any], settle_s: float = 20.0, grace_s: float = 15.0) -> list[str]:
+    """Processes in ``known`` (the learner's descendants) still running ``settle_s`` after the
+    learner ended: generators the learner started and did not stop (e.g. because it was killed),
+    not ones merely finishing their own shutdown. SIGTERM them, SIGKILL after ``grace_s``; returns
+    their descriptions (name, pid, command line)."""
     import psutil
 
-    alive = [p for p in known.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    for p in alive:
+    def running(ps: list[Any]) -> list[Any]:
+        out = []
+        for p in ps:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    _, alive = psutil.wait_procs(running(list(known.values())), timeout=settle_s)
+    left = []
+    for p in running(alive):
         try:
+            left.append(f"{p.name()} {p.pid} ({' '.join(p.cmdline())[:160]})")
             p.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, still = psutil.wait_procs(alive, timeout=grace_s)
+    _, still = psutil.wait_procs(running(alive), timeout=grace_s)
     for p in still:
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    return len(alive)
+    return left
 
 
 def _wait(proc: subprocess.Popen[bytes], timeout_s: float, known: dict[int, Any], grace_s: float) -> int | None:
@@ -146,9 +160,8 @@ def run_learner(record: RunRecord, run_dir: Path, timeout_s: float, grace_s: flo
         record.returncode = _wait(proc, timeout_s, known, grace_s)
         record.status = "timeout" if record.returncode is None else "ok" if record.returncode == 0 else "crash"
     record.wall_s = time.monotonic() - t0
-    leftover = _reap(known)
-    if leftover:
-        print(f"    stopped {leftover} process(es) the learner left running", flush=True)
+    for leftover in _reap(known):
+        print(f"    stopped a process the learner left running: {leftover}", flush=True)
     tb = run_dir / "tb"
     record.curves = read_scalars(tb, CURVE_TAGS) if tb.is_dir() else {}
     if record.status == "ok" and require_eval and not record.curves.get("eval/accuracy"):

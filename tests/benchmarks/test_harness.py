@@ -163,3 +163,20 @@ def test_rows_compose_to_the_intended_configs() -> None:
     """Every full-budget ablation row and staleness row composes (real conf/) to its AlgoConfig."""
     ablation.check_rows(ablation.BUDGETS["full"])
     staleness.check_rows(dataclasses.replace(staleness.BUDGETS["quick"], etas=(0, 4)))
+
+
+def test_reap_reports_only_processes_that_outlive_the_settle_time() -> None:
+    import subprocess
+
+    import psutil
+
+    quick = subprocess.Popen(["sleep", "0.5"])  # finishing its own shutdown: not a leftover
+    stuck = subprocess.Popen(["sleep", "60"])  # a process the learner left running
+    known = {p.pid: psutil.Process(p.pid) for p in (quick, stuck)}
+    reaper = __import__("threading").Thread(target=quick.wait)  # reap it as its real parent would
+    reaper.start()
+    left = R._reap(known, settle_s=2.0, grace_s=5.0)
+    reaper.join()
+    assert len(left) == 1 and f" {stuck.pid} " in left[0] and "sleep 60" in left[0], left
+    assert not known[stuck.pid].is_running()  # stopped (and reaped by psutil), not left behind
+    stuck.wait(timeout=5)
