@@ -1,7 +1,7 @@
 """bench_learner: learner training tokens/s and achieved FLOP/s on the tiny preset vs the fp32
 matmul rate measured in the same run, with the padding fraction.
 
-    python benchmarks/bench_learner.py              # ~3 min on one core
+    python benchmarks/bench_learner.py              # ~10 min on one core
     python benchmarks/bench_learner.py --quick      # fewer steps and configurations
 
 What is timed: one learner training step exactly as ``LearnerModule`` runs it on one device
@@ -190,7 +190,8 @@ def main() -> None:
     tb = TinyBaseConfig()
     steps = 2 if args.quick else 4
     # (token budget, price of a cut): the learner's default is (16384, 256); 1e9 = fill greedily
-    configs = [(16384, 256.0)] if args.quick else [(16384, 1e9), (16384, 256.0), (4096, 256.0), (16384, 1024.0)]
+    configs = [(16384, 256.0)] if args.quick else [(16384, 1e9), (16384, 256.0), (16384, 1024.0),
+                                                          (4096, 256.0), (2048, 256.0), (1024, 256.0)]
     with tempfile.TemporaryDirectory() as tmp:
         texts = [f"Ann has {a} apples and buys {b}. Answer: {a + b}" for a in range(60) for b in range(0, 60, 7)]
         model_dir = write_random_qwen2(Path(tmp) / "m", texts, vocab_size=tb.vocab_size, shape=tb.shape(), seed=0)
