@@ -144,7 +144,7 @@ def write_report(res: dict) -> None:
     md = f"""# bench_learner: learner training throughput on the tiny preset
 
 Machine: {res['machine']}; torch threads: {res['threads']}; 1-min load average at the end {res['load_end']:.1f}
-(the machine is shared, figures are lower bounds). Model: tiny-base architecture (hidden {res['model']['hidden_size']},
+(other jobs may share the machine: read the load; figures are then lower bounds). Model: tiny-base architecture (hidden {res['model']['hidden_size']},
 {res['model']['num_layers']} layers, vocab {res['model']['vocab']}, {res['model']['params_m']:.2f} M parameters per model),
 random weights. Batch: {res['batch']}. One step = recompute + GAE + {res['mini_batches']} mini-batch updates of actor and critic.
 Reference: fp32 1024^3 torch.mm on the same thread: **{peak / 1e9:.1f} GFLOP/s**.
@@ -155,7 +155,7 @@ Reference: fp32 1024^3 torch.mm on the same thread: **{peak / 1e9:.1f} GFLOP/s**
 
 Target: >= 50% of the matmul rate. Best configuration: **{100 * best:.1f}%** -> {'met' if best >= 0.5 else 'NOT met'}.
 
-Reading: at hidden {res['model']['hidden_size']} every matmul is small (tokens x 192 @ 192 x 512), so per-op
+Reading: at hidden {res['model']['hidden_size']} every matmul is small (tokens x {res['model']['hidden_size']} @ {res['model']['hidden_size']} x {res['model'].get('intermediate_size', '?')}), so per-op
 overheads (Python and module dispatch of Hugging Face Qwen2 layers, RMSNorm/RoPE/softmax kernels,
 optimizer steps, log-softmax over the vocabulary) weigh as much as the matmuls; larger micro-batches
 amortise them but pad more; the learner's cut price trades the two (``batching.micro_batches``). The figure is a property of the tiny model on a CPU thread, not of the
