@@ -104,19 +104,20 @@ def _reap(known: dict[int, Any], settle_s: float = 20.0, grace_s: float = 15.0) 
         return out
 
     _, alive = psutil.wait_procs(running(list(known.values())), timeout=settle_s)
-    left = []
-    for p in running(alive):
+    left, targets = [], running(alive)
+    for p in targets:
         try:
             left.append(f"{p.name()} {p.pid} ({' '.join(p.cmdline())[:160]})")
             p.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, still = psutil.wait_procs(running(alive), timeout=grace_s)
-    for p in still:
+    _, still = psutil.wait_procs(targets, timeout=grace_s)  # reaps our children; orphans: init
+    for p in still:  # SIGTERM blocked or ignored (a signal mask is inherited across exec)
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
+    psutil.wait_procs(still, timeout=grace_s)  # dead (and reaped, where they are our children)
     return left
 
 

@@ -166,17 +166,22 @@ def test_rows_compose_to_the_intended_configs() -> None:
 
 
 def test_reap_reports_only_processes_that_outlive_the_settle_time() -> None:
+    import signal
     import subprocess
+    import threading
 
     import psutil
 
+    def block_sigterm() -> None:  # a mask is inherited across exec: SIGTERM will not stop it
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
     quick = subprocess.Popen(["sleep", "0.5"])  # finishing its own shutdown: not a leftover
     stuck = subprocess.Popen(["sleep", "60"])  # a process the learner left running
-    known = {p.pid: psutil.Process(p.pid) for p in (quick, stuck)}
-    reaper = __import__("threading").Thread(target=quick.wait)  # reap it as its real parent would
+    deaf = subprocess.Popen(["sleep", "61"], preexec_fn=block_sigterm)  # needs SIGKILL
+    known = {p.pid: psutil.Process(p.pid) for p in (quick, stuck, deaf)}
+    reaper = threading.Thread(target=quick.wait)  # reap it as its real parent would
     reaper.start()
-    left = R._reap(known, settle_s=2.0, grace_s=5.0)
+    left = R._reap(known, settle_s=2.0, grace_s=3.0)
     reaper.join()
-    assert len(left) == 1 and f" {stuck.pid} " in left[0] and "sleep 60" in left[0], left
-    assert not known[stuck.pid].is_running()  # stopped (and reaped by psutil), not left behind
-    stuck.wait(timeout=5)
+    assert sorted(left) == [f"sleep {stuck.pid} (sleep 60)", f"sleep {deaf.pid} (sleep 61)"], left
+    assert not known[stuck.pid].is_running() and not known[deaf.pid].is_running()  # stopped, reaped
