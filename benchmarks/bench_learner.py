@@ -1,7 +1,7 @@
 """bench_learner: learner training tokens/s and achieved FLOP/s on the tiny preset vs the fp32
 matmul rate measured in the same run, with the padding fraction.
 
-    python benchmarks/bench_learner.py              # ~10 min on one core
+    python benchmarks/bench_learner.py              # ~5 min on one core
     python benchmarks/bench_learner.py --quick      # fewer steps and configurations
 
 What is timed: one learner training step exactly as ``LearnerModule`` runs it on one device
