@@ -130,7 +130,20 @@ def test_prompt_text_holds_question_and_answer_instruction() -> None:
     assert text.startswith(p.question) and "Answer:" in text[len(p.question):]
 
 
-@pytest.mark.parametrize("bad", [{"difficulty": 9}, {"split": "test"}, {"n": -1}])
+def test_long_share_sets_the_share_of_long_problems() -> None:
+    # difficulty 2: max 12 steps, the short range is [1, 12 * 5 // 12] = [1, 5], the long one [6, 12]
+    assert all(len(p.steps) >= 6 for p in make_problems(200, seed=0, long_share=1.0))
+    assert all(len(p.steps) <= 5 for p in make_problems(200, seed=0, long_share=0.0))
+    half = make_problems(2000, seed=0, long_share=0.5)
+    share = sum(len(p.steps) >= 6 for p in half) / len(half)
+    assert 0.45 < share < 0.55, share  # binomial s.d. sqrt(0.25 / 2000) = 0.011
+    # the default is the task's share (15%): the same problems with and without the argument
+    assert make_problems(50, seed=3) == make_problems(50, seed=3, long_share=0.15)
+
+
+@pytest.mark.parametrize(
+    "bad", [{"difficulty": 9}, {"split": "test"}, {"n": -1}, {"long_share": 1.5}, {"long_share": -0.1}]
+)
 def test_bad_arguments_fail_loudly(bad: dict[str, object]) -> None:
     args: dict[str, object] = {"n": 3, "seed": 0, "difficulty": 2, "split": "train", **bad}
     with pytest.raises(ValueError):

@@ -67,6 +67,8 @@ VERBS: dict[str, tuple[int, bool, str]] = {
     "lends": (-1, True, "to"),
 }
 EXCHANGE_VERBS = tuple(v for v, (_, partner, _) in VERBS.items() if partner)
+LONG_SHARE = 0.15
+"""Share of problems drawn from the long range (difficulty 2: 6-12 events) in the task's sets."""
 EXCHANGE_SHARE = 0.5
 """Probability that an event is an exchange (the kind imperfect solutions get wrong)."""
 
@@ -154,11 +156,12 @@ def split_of(start: int, steps: tuple[Step, ...]) -> Split:
     return "eval" if int.from_bytes(digest[:8], "big") % 100 < EVAL_FRACTION_PERCENT else "train"
 
 
-def _num_steps(rng: random.Random, max_steps: int) -> int:
-    """Skewed towards short problems: 85% from [1, 5/12 max], 15% from the rest up to max
-    (difficulty 2: 1-5 or 6-12 steps, mean ~3.9, i.e. ~80 solution tokens)."""
+def _num_steps(rng: random.Random, max_steps: int, long_share: float = LONG_SHARE) -> int:
+    """Skewed towards short problems: ``1 - long_share`` from [1, 5/12 max], the rest from above
+    that up to max (difficulty 2 at the default 0.15: 1-5 or 6-12 steps, mean ~3.9, i.e. ~80
+    solution tokens)."""
     short = max(1, max_steps * 5 // 12)
-    if short == max_steps or rng.random() < 0.85:
+    if short == max_steps or rng.random() < 1.0 - long_share:
         return rng.randint(1, short)
     return rng.randint(short + 1, max_steps)
 
@@ -209,11 +212,13 @@ def solution_answer(start: int, steps: tuple[Step, ...], flips: frozenset[int] =
     return value
 
 
-def _draw_problem(rng: random.Random, spec: DifficultySpec, difficulty: int) -> SyntheticProblem:
+def _draw_problem(
+    rng: random.Random, spec: DifficultySpec, difficulty: int, long_share: float = LONG_SHARE
+) -> SyntheticProblem:
     name, *others = rng.sample(NAMES, 4)
     item = rng.choice(ITEMS)
     start = rng.randint(spec.min_value, spec.max_value)
-    steps = _draw_steps(rng, start, _num_steps(rng, spec.max_steps), spec, others)
+    steps = _draw_steps(rng, start, _num_steps(rng, spec.max_steps, long_share), spec, others)
     return SyntheticProblem(
         question=_question(name, item, start, steps),
         answer=solution_answer(start, steps),
@@ -224,10 +229,16 @@ def _draw_problem(rng: random.Random, spec: DifficultySpec, difficulty: int) -> 
     )
 
 
-def make_problems(n: int, seed: int, difficulty: int = 2, split: Split = "train") -> list[SyntheticProblem]:
-    """``n`` distinct problems of ``split`` (disjoint from the other split), reproducible from ``seed``."""
+def make_problems(
+    n: int, seed: int, difficulty: int = 2, split: Split = "train", long_share: float = LONG_SHARE
+) -> list[SyntheticProblem]:
+    """``n`` distinct problems of ``split`` (disjoint from the other split), reproducible from
+    ``seed``; ``long_share`` of them from the long range of event counts (the task's sets use the
+    default; the tiny base's pre-training may see more long ones)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if not 0.0 <= long_share <= 1.0:
+        raise ValueError(f"long_share must be in [0, 1], got {long_share}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     spec = difficulty_spec(difficulty)
@@ -239,7 +250,7 @@ def make_problems(n: int, seed: int, difficulty: int = 2, split: Split = "train"
         attempts += 1
         if attempts > 200 * n + 10_000:
             raise RuntimeError(f"could not draw {n} distinct {split} problems at difficulty {difficulty}")
-        p = _draw_problem(rng, spec, difficulty)
+        p = _draw_problem(rng, spec, difficulty, long_share)
         key = canonical_key(p.start, p.steps)
         if key in seen or split_of(p.start, p.steps) != split:
             continue
