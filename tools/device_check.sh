@@ -8,6 +8,9 @@
 #
 #   tools/device_check.sh                 # on the GPU machine (after tools/setup_env.sh)
 #   tools/device_check.sh --cpu-smoke     # the same code path on CPU with a tiny model (seconds)
+#   tools/device_check.sh --profile       # also: per-phase times of every step and a torch.profiler
+#                                         # table of one steady step (top kernels and CPU ops)
+#   DC_MB_TOKENS=N DC_STEPS=N             # override micro-batch tokens / number of steps
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 smoke = "--cpu-smoke" in sys.argv
+profile = "--profile" in sys.argv
 cuda = torch.cuda.is_available() and not smoke
 if not cuda and not smoke:
     sys.exit("device_check: no CUDA device visible (use --cpu-smoke to test the code path on CPU)")
@@ -98,8 +102,26 @@ cfg.algo = dataclasses.replace(preset("vapo"), value_warmup_steps=0, batch_group
                                mini_batches=4, warmup_steps=0, actor_lr=1e-6, critic_lr=2e-6)
 cfg.trainer.strategy = "fsdp"
 cfg.trainer.precision = "bf16-mixed" if cuda else "32-true"
-cfg.batching.micro_batch_tokens = 16384 if cuda else 2048
-steps = 6 if cuda else 2
+cfg.batching.micro_batch_tokens = int(os.environ.get("DC_MB_TOKENS", 16384 if cuda else 2048))
+steps = int(os.environ.get("DC_STEPS", 6 if cuda else 2))
+phases: dict[str, list[float]] = {}
+if profile:  # time the three phases of a step (synchronised), wrapping the module's references
+    import vapo_async.learner.module as lm
+
+    def timed(name, fn):
+        def run(*a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            if cuda:
+                torch.cuda.synchronize()
+            phases.setdefault(name, []).append(time.perf_counter() - t)
+            return out
+        return run
+
+    for name in ("recompute", "compute_advantages", "ppo_updates"):
+        setattr(lm, name, timed(name, getattr(lm, name)))
 module = LearnerModule(cfg, str(tmp / "model"), tmp / "run")
 module.source = ListSource(groups)
 trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision="32-true",
@@ -110,12 +132,32 @@ step_s, update_s = [], []
 
 
 class Timer(L.Callback):
+    prof = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if profile and batch_idx == min(2, steps - 1):
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.prof is not None:
+            if cuda:
+                torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            ka = self.prof.key_averages()
+            if cuda:
+                print(ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60), flush=True)
+                busy = sum(e.self_device_time_total for e in ka) / 1e6
+                print(f"profiled step: CUDA kernels busy {busy:.2f} s in total", flush=True)
+            print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60), flush=True)
+            self.prof = None
         m = pl_module.last.metrics
         step_s.append(m["perf/step_s"])
         update_s.append(m["perf/update_s"])
         print(f"step {pl_module.last.step}: {m['perf/step_s']:.2f} s (update {m['perf/update_s']:.2f} s, "
-              f"publish {m['perf/publish_s']:.2f} s), padding {m.get('perf/padding_fraction', 0):.1%}", flush=True)
+              f"publish {m['perf/publish_s']:.2f} s), padding {m.get('perf/padding_fraction', 0):.1%}"
+              + "".join(f", {k} {v[-1]:.2f} s" for k, v in phases.items() if v), flush=True)
 
 
 trainer.callbacks.append(Timer())
@@ -131,12 +173,12 @@ res = {
     "tokens_per_step": tokens, "update_s_median": t_upd, "step_s": step_s, "tokens_per_s": tokens / t_upd,
     "model_flops_per_step": flops, "achieved_tflops": flops / t_upd / 1e12, "matmul_tflops": peak / 1e12,
     "mfu": flops / t_upd / peak, "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-    "wall_s": time.time() - t_start,
+    "wall_s": time.time() - t_start, "micro_batch_tokens": cfg.batching.micro_batch_tokens,
 }
 print(json.dumps(res, indent=1))
 print(f"RESULT tokens/s {res['tokens_per_s']:.0f}  achieved {res['achieved_tflops']:.1f} TFLOP/s  "
       f"MFU {100 * res['mfu']:.1f}% of the measured matmul rate  ({res['wall_s']:.0f} s)")
-if not smoke:
+if not smoke and not profile:
     out = Path("benchmarks/results/device_check.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))

@@ -63,7 +63,7 @@ def test_cache_key_and_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     assert tb.config_key(dataclasses.replace(cfg, num_threads=1)) != tb.config_key(cfg)  # changes the bits
     assert tb.config_key(dataclasses.replace(cfg, error_rate=cfg.error_rate + 0.1)) != tb.config_key(cfg)
     assert tb.config_key(dataclasses.replace(cfg, template="dapo")) != tb.config_key(cfg)
-    assert tb.config_key(dataclasses.replace(cfg, long_share=0.15)) != tb.config_key(cfg)
+    assert tb.config_key(dataclasses.replace(cfg, long_share=0.5)) != tb.config_key(cfg)
     monkeypatch.setenv("VAPO_CACHE", str(tmp_path))
     assert tb.model_dir(cfg).parent == tmp_path / "tiny_base"
     assert tb.model_dir(dataclasses.replace(cfg, cache_dir=str(tmp_path / "c"))).parent == tmp_path / "c"

@@ -68,12 +68,25 @@ def test_any_trainer_flag_is_an_override():
     ("trainer.logger=false", "trainer.logger"),
     ("algo.eta=-1", "AlgoConfig.eta"),
     ("reward.overlong_shaping=true", "reward.overlong_shaping"),
+    ("batching.micro_batch_overhead_tokens=-1", "batching.micro_batch_overhead_tokens"),
 ])
 def test_invalid_override_is_one_line_naming_the_key(override, key):
     with pytest.raises(ConfigError) as err:
         check_overrides([override])
     msg = str(err.value)
     assert key in msg and "\n" not in msg
+
+
+def test_micro_batch_overhead_is_chosen_for_the_device():
+    # null (the default): 256 token-equivalents on CPU, 8192 on a GPU, where Python and kernel
+    # launches cost more GPU time per micro-batch (benchmarks/results/device_check.md)
+    cfg = LearnerConfig()
+    assert cfg.batching.micro_batch_overhead_tokens is None
+    assert cfg.batching.overhead_for("cpu") == 256 and cfg.batching.overhead_for("cuda") == 8192
+    cfg.batching.micro_batch_overhead_tokens = 1000  # an explicit value wins on every device
+    assert cfg.batching.overhead_for("cpu") == 1000 and cfg.batching.overhead_for("cuda") == 1000
+    cfg = _compose(["batching.micro_batch_overhead_tokens=4096"])
+    assert cfg.batching.overhead_for("cuda") == 4096
 
 
 def test_cli_exit_code_and_single_line(tmp_path):

@@ -96,9 +96,16 @@ class BatchingConfig:
 
     micro_batch_tokens: int = 16384
     """Padded tokens per forward/backward micro-batch (memory bound)."""
-    micro_batch_overhead_tokens: int = 256
+    micro_batch_overhead_tokens: int | None = None
     """Cost of one more micro-batch in token-equivalents (launch/Python overhead): micro-batches
-    are cut where the padding saved exceeds it (larger on GPUs, e.g. 2048)."""
+    are cut where the padding saved exceeds it. None: 256 on CPU, 8192 on a GPU (an H200 with a
+    0.5B model sat idle two thirds of each step on 4k-token micro-batches: tools/device_check.sh)."""
+
+    def overhead_for(self, device_type: str) -> int:
+        """``micro_batch_overhead_tokens``, resolved for a ``torch.device.type``."""
+        if self.micro_batch_overhead_tokens is not None:
+            return self.micro_batch_overhead_tokens
+        return 256 if device_type == "cpu" else 8192
     batch_timeout_s: float = 1800.0
     """Longest wait for rollouts in one step before the learner gives up with an error."""
     max_sampling_rounds: int = 8
@@ -289,6 +296,9 @@ def validate(cfg: LearnerConfig) -> None:
         raise ConfigError(f"threads={cfg.threads}: must be >= 1 or null")
     if cfg.generators.local < 0:
         raise ConfigError(f"generators.local={cfg.generators.local}: must be >= 0")
+    if cfg.batching.micro_batch_overhead_tokens is not None and cfg.batching.micro_batch_overhead_tokens < 0:
+        raise ConfigError(f"batching.micro_batch_overhead_tokens={cfg.batching.micro_batch_overhead_tokens}: "
+                          "must be >= 0 (or null: chosen for the device)")
     if cfg.batching.micro_batch_tokens < 1:
         raise ConfigError(f"batching.micro_batch_tokens={cfg.batching.micro_batch_tokens}: must be >= 1")
     if cfg.checkpoint.keep_weights < 2:

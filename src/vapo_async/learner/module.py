@@ -165,7 +165,8 @@ class LearnerModule(L.LightningModule):
         scfg = StreamConfig(
             batch_groups=a.batch_groups, group_size=a.group_size, eta=a.eta, n_minibatches=a.mini_batches,
             micro_batch_tokens=self.cfg.batching.micro_batch_tokens,
-            micro_batch_overhead_tokens=self.cfg.batching.micro_batch_overhead_tokens, dynamic_sampling=a.dynamic_sampling,
+            micro_batch_overhead_tokens=self.cfg.batching.overhead_for(self.trainer.strategy.root_device.type),
+            dynamic_sampling=a.dynamic_sampling,
             max_sampling_rounds=self.cfg.batching.max_sampling_rounds,
             group_advantage=a.advantage_estimator == "group", overlong=overlong,
             timeout_s=self.cfg.batching.batch_timeout_s, seed=self.cfg.seed)
