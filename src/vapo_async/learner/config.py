@@ -100,16 +100,16 @@ class BatchingConfig:
     """Cost of one more micro-batch in token-equivalents (launch/Python overhead): micro-batches
     are cut where the padding saved exceeds it. None: 256 on CPU, 8192 on a GPU (an H200 with a
     0.5B model sat idle two thirds of each step on 4k-token micro-batches: tools/device_check.sh)."""
+    batch_timeout_s: float = 1800.0
+    """Longest wait for rollouts in one step before the learner gives up with an error."""
+    max_sampling_rounds: int = 8
+    """Dynamic sampling / stale refills: most pulls per step (then train on a partial batch)."""
 
     def overhead_for(self, device_type: str) -> int:
         """``micro_batch_overhead_tokens``, resolved for a ``torch.device.type``."""
         if self.micro_batch_overhead_tokens is not None:
             return self.micro_batch_overhead_tokens
         return 256 if device_type == "cpu" else 8192
-    batch_timeout_s: float = 1800.0
-    """Longest wait for rollouts in one step before the learner gives up with an error."""
-    max_sampling_rounds: int = 8
-    """Dynamic sampling / stale refills: most pulls per step (then train on a partial batch)."""
 
 
 @dataclass
