@@ -58,16 +58,24 @@ def test_bad_reward_custom_overrides_name_the_key(override: str, message: str) -
         check_overrides([override])
 
 
-def test_learner_forwards_reward_custom_to_its_generators() -> None:
-    """The learner passes its reward settings to local generators as command-line overrides
-    (``runtime.reward_overrides``); a custom target with awkward strings survives the round trip."""
-    from vapo_async.generator.config import register_configs
-    from vapo_async.learner.runtime import reward_overrides
+def test_learner_reward_settings_reach_generators_through_the_welcome() -> None:
+    """The learner's reward settings travel in the controller's welcome (msgpack over the wire)
+    and replace a generator's own; a custom target with awkward strings survives the round trip,
+    and a generator's own value of a field the controller sent does not survive."""
+    import dataclasses
+
+    from vapo_async.generator.config import reward_with_welcome
     from vapo_async.rewards import RewardConfig
+    from vapo_async.transport.messages import MessageLimits, Welcome, decode_from_controller
 
     custom = {"_target_": TARGET, "_partial_": True, "note": "it's a \\ test\\", "q": "\\'x", "ks": [1, 2]}
-    overrides = reward_overrides(RewardConfig(custom=custom))
-    register_configs()
-    with initialize(version_base=None, config_path=None):
-        cfg = OmegaConf.to_object(compose(config_name="generator", overrides=overrides))
-    assert cfg.reward.custom == custom
+    learner = RewardConfig(custom=custom, wrong=0.0, answer_formats=["answer_line"], answer_tail_chars=120)
+    welcome = Welcome("c", "s", 0, None, "", "tcp://127.0.0.1:1", 32, 60.0, 15.0, {}, 64,
+                      dataclasses.asdict(learner))
+    got = decode_from_controller(welcome.to_frames(), MessageLimits())
+    local = RewardConfig(wrong=-1.0, answer_formats=["boxed"])
+    assert reward_with_welcome(local, got.reward) == learner
+    with pytest.raises(ValueError, match="does not know.*'no_such_field'"):
+        reward_with_welcome(local, {**got.reward, "no_such_field": 1})
+    with pytest.raises(ValueError, match="timeout_s"):
+        reward_with_welcome(local, {**got.reward, "timeout_s": 0.0})

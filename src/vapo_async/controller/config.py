@@ -33,6 +33,11 @@ class ControllerConfig:
     """Trusted weights root told to generators; '' = the parent of the latest announced path."""
     sampling: dict[str, Any] = field(default_factory=dict)
     """Sampling settings forwarded in ``welcome``; when it has ``n`` every group must have n responses."""
+    max_model_len: int = 0
+    """Context (longest prompt + max_tokens) every generator engine must offer, sent in ``welcome``
+    (0 = no demand)."""
+    reward: dict[str, Any] = field(default_factory=dict)
+    """Reward settings (``RewardConfig`` as a map) sent in ``welcome``: generators score with these."""
     keep_announcements: int = 8
     """Weight versions whose files the controller serves to chunked fetches."""
     republish_s: float = 5.0

@@ -162,7 +162,7 @@ class Handlers:
             controller_id=self.controller_id, session=msg.session, version=self.version, weights=self.latest,
             weights_root=self.weights_root(), pub_endpoint=self.pub_endpoint, vocab_size=self.vocab_size,
             lease_timeout_s=self.cfg.lease_timeout_s, heartbeat_s=self.cfg.resolved_heartbeat_s(),
-            sampling=dict(self.cfg.sampling),
+            sampling=dict(self.cfg.sampling), max_model_len=self.cfg.max_model_len, reward=dict(self.cfg.reward),
         )
 
     def _on_weights_refused(self, s: Session, msg: WeightsRefused) -> None:

@@ -1,11 +1,14 @@
 """``python -m vapo_async.generator controller=tcp://HOST:PORT [model=DIR] [key=value ...]``
 
 Setup -> run -> cleanup:
-1. Build the engine from ``model`` (if given) while nothing else waits on it, then say hello to the
-   controller (retrying with backoff until it answers: a generator may start before the learner).
-   Without ``model`` the engine starts from the weights the controller's welcome announces (or,
-   before the learner's first publish, the first announcement), fetched over ZeroMQ into
-   ``weights_cache`` when the announced path is not readable on this machine.
+1. Say hello to the controller (retrying with backoff until it answers: a generator may start
+   before the learner). Its welcome is the learner's contract: sampling (group size, temperature,
+   top_p, max_tokens), the context the engine must offer (``max_model_len``: the learner's longest
+   prompt + max_tokens) and the reward settings, which replace this process's own. A generator
+   that cannot honour it (``engine.max_model_len`` set shorter, a custom reward it cannot import)
+   refuses here with one line. Then build the engine from ``model`` (if given), or from the
+   weights the welcome announces (version 0, the base, is announced when the learner starts),
+   fetched over ZeroMQ into ``weights_cache`` when the announced path is not readable here.
 2. Serve leases (``GeneratorLoop``) until SIGTERM/SIGINT.
 3. Hand unfinished leases back (``bye``), shut the engine down, exit 0.
 
@@ -83,10 +86,12 @@ def _first_announcement(client: ControllerClient, stop: StopFlag) -> WeightAnnou
 
 def run(cfg: GeneratorConfig) -> int:
     """The whole generator process; returns its exit code."""
+    from vapo_async.generator.config import reward_with_welcome
     from vapo_async.generator.engine import VLLMEngine
     from vapo_async.generator.loop import GeneratorLoop
     from vapo_async.generator.sync import WeightSync
-    from vapo_async.rewards import build_reward_fn
+    from vapo_async.rewards import RewardFn, build_reward_fn
+    from vapo_async.rewards.reward import load_custom
     from vapo_async.transport.client import ControllerClient
 
     stop = StopFlag()
@@ -98,30 +103,35 @@ def run(cfg: GeneratorConfig) -> int:
     if cfg.model is not None and not (Path(cfg.model) / "config.json").is_file():
         raise FileNotFoundError(f"model={cfg.model} is not a Hugging Face model directory (no config.json)")
     transport = cfg.client_transport()
+    if cfg.reward.custom is not None:  # the fallback when a controller sends no reward settings
+        load_custom(cfg.reward.custom)
     generator_id = cfg.resolved_id()
     cache = Path(cfg.weights_cache).expanduser() / generator_id
-    reward_fn = build_reward_fn(cfg.reward)  # imports reward.custom's target; workers start lazily
     engine: VLLMEngine | None = None
     client: ControllerClient | None = None
+    reward_fn: RewardFn | None = None
     try:
-        if cfg.model is not None:
-            engine = VLLMEngine(cfg.model, cfg.engine, cfg.model_version)
         client = ControllerClient(transport, generator_id, max_prompts=cfg.max_prompts)
-        client.version = engine.version if engine is not None else 0
+        client.version = cfg.model_version if cfg.model is not None else 0
         log.info("connecting to controller at %s as %s", cfg.controller, generator_id)
         welcome = _connect(client, cfg, stop)
         if welcome is None:
             client.bye([])
             return 0
-        if engine is None:
+        # the learner's contract (welcome): context, reward; sampling is adopted by the loop
+        engine_cfg = cfg.engine.for_demand(welcome.max_model_len)
+        reward_fn = build_reward_fn(reward_with_welcome(cfg.reward, welcome.reward))  # imports reward.custom
+        if cfg.model is not None:
+            engine = VLLMEngine(cfg.model, engine_cfg, cfg.model_version)
+        else:
             first = welcome.weights or _first_announcement(client, stop)
             if first is None:
                 client.bye([])
                 return 0
             welcome = replace(welcome, version=first.version, weights=first)  # it was published since
             path = client.resolve_weights(first, cache)
-            engine = VLLMEngine(path, cfg.engine, first.version)
-            client.version = engine.version
+            engine = VLLMEngine(path, engine_cfg, first.version)
+        client.version = engine.version
         weights = WeightSync(client, engine, cache, base_dir=cfg.model, base_version=cfg.model_version,
                              layout_dir=cfg.model or engine.model_dir)
         loop = GeneratorLoop(client, engine, weights, reward_fn, cfg.sampling, cfg.max_prompts,
@@ -129,7 +139,8 @@ def run(cfg: GeneratorConfig) -> int:
         stop.on_stop.append(loop.stop)
         if stop.event.is_set():
             loop.stop()
-        log.info("generator %s serving %s (engine version %d)", generator_id, cfg.controller, engine.version)
+        log.info("generator %s serving %s (engine version %d, context %d tokens)", generator_id, cfg.controller,
+                 engine.version, engine_cfg.context())
         try:
             loop.run(welcome)
         finally:
@@ -138,7 +149,8 @@ def run(cfg: GeneratorConfig) -> int:
     finally:
         if client is not None:
             client.close()
-        reward_fn.close()
+        if reward_fn is not None:
+            reward_fn.close()
         if engine is not None:
             engine.shutdown()
         # the cache holds links to the learner's files (they would outlive its pruning) and

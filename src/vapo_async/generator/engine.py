@@ -176,7 +176,7 @@ def engine_kwargs(model_dir: str | Path, cfg: EngineConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=str(model_dir),
         dtype=cfg.dtype,
-        max_model_len=cfg.max_model_len,
+        max_model_len=cfg.context(),
         seed=cfg.seed,
         enforce_eager=on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
         tensor_parallel_size=cfg.tensor_parallel_size,
@@ -231,10 +231,10 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        room = self.cfg.max_model_len - prompt_len
+        room = self.cfg.context() - prompt_len
         if room < 1:
             raise ValueError(f"prompt of {prompt_len} tokens leaves no room for a response within "
-                             f"engine.max_model_len={self.cfg.max_model_len}")
+                             f"engine.max_model_len={self.cfg.context()}")
         return SamplingParams(
             n=sampling.group_size,
             temperature=sampling.temperature,

@@ -57,6 +57,13 @@ class WeightPublishing:
         self.last = ann
         return ann
 
+    def versions(self) -> list[int]:
+        """Rank 0: the complete versions under ``root`` (oldest first)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(int(p.name[1:]) for p in self.root.iterdir()
+                      if p.name.startswith("v") and p.name[1:].isdigit() and (p / "MANIFEST.json").is_file())
+
     def existing(self, version: int) -> WeightAnnouncement | None:
         """Rank 0: the announcement of an already published ``version`` (None if it is gone)."""
         path = self.root / f"v{version:08d}"

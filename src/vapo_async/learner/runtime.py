@@ -4,9 +4,11 @@ A Lightning Callback, so that it follows the Trainer's lifecycle on every rank:
 - ``setup``: rank 0 builds the ``Controller`` (not yet started) over the train prompts and hands it
   to the module as its group source;
 - ``load_state_dict`` (resume): the controller's saved state is kept until ``on_train_start``;
-- ``on_train_start``: on resume, makes sure the restored policy version is published (weights newer
-  than the checkpoint are deleted; the restored version is re-published if it was pruned: a
-  collective), then rank 0 restores and starts the controller and the local generators;
+- ``on_train_start``: makes sure the current policy version is published (a collective): a fresh
+  run publishes version 0, the base model, so that generators holding no model (other hosts, no
+  shared filesystem) can start the run; a resumed run deletes weights newer than the checkpoint
+  and re-publishes the restored version if it was pruned. Then rank 0 announces that version,
+  starts the controller and the local generators;
 - ``teardown``/``on_exception``: generators get SIGTERM (they hand their leases back), then the
   controller stops. Generators started elsewhere keep running and reconnect to the next learner.
 """
@@ -18,7 +20,6 @@ import dataclasses
 import logging
 import math
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,42 +38,9 @@ from vapo_async.generator.launch import (
     tail,
 )
 from vapo_async.learner.config import LearnerConfig
-from vapo_async.rewards import RewardConfig
 from vapo_async.transport.messages import WeightAnnouncement
 
 log = logging.getLogger("vapo_async.learner")
-
-
-def hydra_value(v: Any) -> str:
-    """``v`` (nested dicts, lists, scalars) as a Hydra command-line value that parses back to it."""
-    if isinstance(v, dict):
-        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
-    if isinstance(v, (list, tuple)):
-        return "[" + ",".join(hydra_value(x) for x in v) + "]"
-    if isinstance(v, str):
-        # Hydra's quoted strings: backslashes are literal except before a quote or the closing quote
-        return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), v) + "'"
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return str(v).lower()
-    return repr(v)
-
-
-def reward_overrides(reward: RewardConfig) -> list[str]:
-    """Hydra overrides that give a generator the learner's reward settings."""
-    out = []
-    for f in dataclasses.fields(reward):
-        value = getattr(reward, f.name)
-        if f.name == "custom":
-            if value is not None:
-                out.append(f"reward.custom={hydra_value(value)}")
-            continue
-        if isinstance(value, list):
-            out.append(f"reward.{f.name}=[{','.join(str(v) for v in value)}]")
-        else:
-            out.append(f"reward.{f.name}={'null' if value is None else value}")
-    return out
 
 
 def engine_context(prompts: list[PromptRecord], tokenizer: Any, max_tokens: int) -> int:
@@ -119,7 +87,9 @@ class Runtime(Callback):
             raise ValueError(f"data: the train split of {cfg.data.name!r} has no prompts")
         sampling = {"n": cfg.algo.group_size, "temperature": cfg.sampling.temperature,
                     "top_p": cfg.sampling.top_p, "max_tokens": cfg.sampling.max_tokens}
-        ccfg = dataclasses.replace(cfg.controller, sampling=sampling,
+        # the generator contract (welcome): sampling, context and reward settings, one source for all
+        ccfg = dataclasses.replace(cfg.controller, sampling=sampling, max_model_len=self.context(),
+                                   reward=dataclasses.asdict(cfg.reward),
                                    weights_root=str((self.run_dir / "weights").resolve()))
         self.controller = Controller(ccfg, self.prompts, cfg.algo.batch_groups, cfg.algo.eta, self.vocab_size)
         pl_module.source = self.controller  # type: ignore[assignment]
@@ -132,15 +102,16 @@ class Runtime(Callback):
         self._restored = state_dict.get("controller")
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        resumed = trainer.ckpt_path is not None
-        latest = self._repair_weights(trainer, pl_module) if resumed else None
+        latest = self._current_weights(trainer, pl_module, resumed=trainer.ckpt_path is not None)
         if trainer.global_rank != 0:
             return
-        assert self.controller is not None
+        assert self.controller is not None and latest is not None
         if self._restored is not None:
             state = dict(self._restored)
-            state["latest"] = latest.to_header() if latest is not None else None
+            state["latest"] = latest.to_header()
             self.controller.load_state_dict(state)
+        else:
+            self.controller.announce(latest)  # version 0: generators without a model start from it
         self.controller.start()
         log.info("controller at %s (weights announced on %s)", self.controller.endpoint, self.controller.pub_endpoint)
         n = self.cfg.generators.local
@@ -178,35 +149,49 @@ class Runtime(Callback):
             raise RuntimeError(f"all {len(self.generators)} local generators exited (generator 0: code "
                                f"{h.process.returncode}); last lines of {h.log_path}:\n{tail(h)}")
 
-    def _generator_overrides(self, latest: WeightAnnouncement | None) -> list[str]:
+    def context(self) -> int:
+        """Rank 0: the context generator engines must offer (``generators.max_model_len``, or the
+        longest train prompt + ``sampling.max_tokens``); sent in the controller's welcome."""
         cfg = self.cfg
-        ctx = cfg.generators.max_model_len or engine_context(self.prompts, self.tokenizer, cfg.sampling.max_tokens)
-        model, version = (latest.path, latest.version) if latest is not None else (self.model_path, 0)
+        return cfg.generators.max_model_len or engine_context(self.prompts, self.tokenizer, cfg.sampling.max_tokens)
+
+    def _generator_overrides(self, latest: WeightAnnouncement | None) -> list[str]:
+        # sampling, context and reward settings reach every generator in the welcome
+        cfg = self.cfg
+        model, version = (latest.path, latest.version) if latest is not None and latest.version > 0 \
+            else (self.model_path, 0)
         out = [f"model={model}", f"model_version={version}", f"max_prompts={cfg.generators.max_prompts}",
-               f"engine.max_model_len={ctx}", f"engine.seed={cfg.seed}", *reward_overrides(cfg.reward)]
+               f"engine.seed={cfg.seed}"]
         if cfg.generators.kv_cache_bytes is not None:
             out.append(f"engine.kv_cache_bytes={cfg.generators.kv_cache_bytes}")
         return out + list(cfg.generators.overrides)
 
-    def _repair_weights(self, trainer: L.Trainer, pl_module: L.LightningModule) -> WeightAnnouncement | None:
-        """Resume: delete versions newer than the checkpoint's and re-publish its version if it
-        was pruned (collective). Returns rank 0's announcement of the restored version."""
+    def _current_weights(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                         resumed: bool) -> WeightAnnouncement | None:
+        """Make sure the current policy version is published (a collective); returns rank 0's
+        announcement of it. A fresh run publishes version 0 (the base), so that generators that
+        hold no model (another host, no shared filesystem) can start the run; it refuses a run
+        directory that holds an earlier run's weights. A resumed run deletes versions newer than
+        its checkpoint's and publishes that version again if it was pruned."""
         version = int(pl_module.version)  # type: ignore[arg-type]
         publishing = pl_module.publishing  # type: ignore[attr-defined]
-        if version == 0:
-            if trainer.global_rank == 0:
-                publishing.remove_newer(0)
-            return None
-        missing = torch.zeros(1, dtype=torch.int64)
+        flags = torch.zeros(2, dtype=torch.int64)  # (missing, earlier run's weights present)
         latest = None
         if trainer.global_rank == 0:
-            publishing.remove_newer(version)
+            if resumed:
+                publishing.remove_newer(version)
+            else:
+                flags[1] = int(bool(publishing.versions()))
             latest = publishing.existing(version)
-            missing[0] = int(latest is None)
+            flags[0] = int(latest is None)
         if dist.is_available() and dist.is_initialized():
-            missing = missing.to(pl_module.device)
-            dist.broadcast(missing, src=0)
-        if int(missing[0]):
-            log.warning("weights of the restored version %d were pruned: publishing them again", version)
+            flags = flags.to(pl_module.device)
+            dist.broadcast(flags, src=0)
+        if int(flags[1]):
+            raise RuntimeError(f"{self.run_dir / 'weights'} holds weight versions of an earlier run: resume it "
+                               "(resume=true) or start this one in a new hydra.run.dir")
+        if int(flags[0]):
+            if resumed:
+                log.warning("weights of the restored version %d were pruned: publishing them again", version)
             latest = publishing.publish(pl_module.actor, version)
         return latest

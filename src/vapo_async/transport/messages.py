@@ -182,6 +182,13 @@ class Welcome:
     lease_timeout_s: float
     heartbeat_s: float
     sampling: dict[str, Any] = field(default_factory=dict)
+    """How to sample (``n``, ``temperature``, ``top_p``, ``max_tokens``): overrides the generator's."""
+    max_model_len: int = 0
+    """Context every generator engine must offer: longest prompt + ``max_tokens`` (0 = no demand).
+    A generator whose configured ``engine.max_model_len`` is shorter refuses at start."""
+    reward: dict[str, Any] = field(default_factory=dict)
+    """The learner's reward settings (``RewardConfig`` fields: values, answer formats, custom
+    target); they replace the generator's own, so every generator scores alike."""
 
     def to_frames(self) -> list[bytes]:
         return [encode_header({
@@ -190,6 +197,7 @@ class Welcome:
             "weights_root": self.weights_root, "pub_endpoint": self.pub_endpoint,
             "vocab_size": self.vocab_size, "lease_timeout_s": self.lease_timeout_s,
             "heartbeat_s": self.heartbeat_s, "sampling": self.sampling,
+            "max_model_len": self.max_model_len, "reward": self.reward,
         })]
 
 
@@ -318,10 +326,27 @@ def _lease(h: dict[str, Any], limits: MessageLimits) -> Lease:
                  get_float(h, "deadline_s", 0.0, 1e7), tuple(prompts), _ann_or_none(h, "weights", limits))
 
 
+def _settings(value: Any, depth: int = 0) -> bool:
+    """A settings value: a scalar, None, or a short list / string-keyed map of them, nested at
+    most three deep (the reward map -> ``custom`` -> a list argument of the custom target)."""
+    if value is None or isinstance(value, _SCALAR):
+        return True
+    if depth >= 3:
+        return False
+    if isinstance(value, list):
+        return len(value) <= 64 and all(_settings(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return len(value) <= 64 and all(isinstance(k, str) and _settings(v, depth + 1) for k, v in value.items())
+    return False
+
+
 def _welcome(h: dict[str, Any], limits: MessageLimits) -> Welcome:
     sampling = get_map(h, "sampling")
     if not all(isinstance(k, str) and isinstance(v, _SCALAR) for k, v in sampling.items()):
         raise MessageError("field", "sampling must map strings to scalars")
+    reward = get_map(h, "reward")
+    if not _settings(reward):
+        raise MessageError("field", "reward must map strings to scalars, lists or maps of scalars")
     return Welcome(
         controller_id=get_str(h, "controller_id", limits.max_id_chars),
         session=get_str(h, "session", limits.max_id_chars),
@@ -333,6 +358,8 @@ def _welcome(h: dict[str, Any], limits: MessageLimits) -> Welcome:
         lease_timeout_s=get_float(h, "lease_timeout_s", 0.0, 1e7),
         heartbeat_s=get_float(h, "heartbeat_s", 0.0, 1e7),
         sampling=sampling,
+        max_model_len=get_int(h, "max_model_len", 0, 2**31 - 1),
+        reward=reward,
     )
 
 

@@ -66,10 +66,17 @@ def use_curve(cfg: TransportConfig, endpoints: list[str], side: str) -> bool:
     if not remote:
         return False
     if not cfg.allow_insecure:
+        if side == "server":  # only the learner binds: its transport sits under controller.
+            keys = ("controller.transport.curve.server_secret_file and "
+                    "controller.transport.curve.authorized_keys_dir")
+            insecure = "controller.transport.allow_insecure=true"
+        else:
+            keys = "transport.curve.server_public_file and transport.curve.client_secret_file"
+            insecure = "transport.allow_insecure=true"
         raise InsecureEndpointError(
-            f"refusing to {'bind' if side == 'server' else 'connect'} {remote} without CURVE keys: "
-            "set transport.curve.* key files (see vapo_async.transport.keys) or "
-            "transport.allow_insecure=true to accept unauthenticated plain-text traffic"
+            f"refusing to {'bind' if side == 'server' else 'connect'} {remote} without CURVE keys: set {keys} "
+            f"(python -m vapo_async.transport.keys DIR makes them and prints the overrides), or {insecure} "
+            "to accept unauthenticated plain-text traffic"
         )
     log.warning("!!! INSECURE: %s %s without CURVE authentication or encryption "
                 "(transport.allow_insecure=true); anyone who can reach it can inject rollouts !!!",
