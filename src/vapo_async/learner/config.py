@@ -283,6 +283,7 @@ def _lightning_trainer() -> type:
 def validate(cfg: LearnerConfig) -> None:
     """Cross-field checks (each error names its key)."""
     trainer_kwargs(cfg.trainer)
+    check_controller_endpoints(cfg)
     if cfg.trainer.strategy not in STRATEGIES:
         raise ConfigError(f"trainer.strategy={cfg.trainer.strategy!r}: choose one of {', '.join(STRATEGIES)}")
     if cfg.trainer.max_steps < 1:
@@ -313,6 +314,24 @@ def validate(cfg: LearnerConfig) -> None:
     if cfg.algo.overlong_shaping and not 0 <= cfg.reward.overlong_cache_tokens <= cfg.sampling.max_tokens:
         raise ConfigError(f"reward.overlong_cache_tokens={cfg.reward.overlong_cache_tokens}: must be in "
                           f"[0, sampling.max_tokens={cfg.sampling.max_tokens}] with algo.overlong_shaping")
+
+
+def check_controller_endpoints(cfg: LearnerConfig) -> None:
+    """The controller's endpoints obey the CURVE rule (keys off loopback) and its key files exist:
+    checked at start, before any model loads, as a one-line ``ConfigError`` naming the keys."""
+    from pathlib import Path
+
+    from vapo_async.transport.sockets import InsecureEndpointError, use_curve
+
+    t = cfg.controller.transport
+    try:
+        use_curve(t, [t.endpoint, t.resolved_pub_endpoint()], "server")
+    except (InsecureEndpointError, ValueError) as e:
+        raise ConfigError(f"controller.transport.endpoint={t.endpoint}: {e}") from None
+    for key in ("server_secret_file", "authorized_keys_dir"):
+        path = getattr(t.curve, key)
+        if path and not Path(path).expanduser().exists():
+            raise ConfigError(f"controller.transport.curve.{key}={path}: not found")
 
 
 def register_configs() -> None:
