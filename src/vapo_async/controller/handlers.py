@@ -157,6 +157,8 @@ class Handlers:
             s = Session(msg.generator_id, msg.session, ident, msg.max_prompts)
             self.sessions[ident] = s
             self.by_generator[msg.generator_id] = ident
+            log.info("generator %s joined (holds version %d, %d generators)", msg.generator_id, msg.version,
+                     len(self.sessions))
         s.max_prompts, s.version, s.last_seen = msg.max_prompts, msg.version, now
         return Welcome(
             controller_id=self.controller_id, session=msg.session, version=self.version, weights=self.latest,

@@ -139,8 +139,8 @@ def run(cfg: GeneratorConfig) -> int:
         stop.on_stop.append(loop.stop)
         if stop.event.is_set():
             loop.stop()
-        log.info("generator %s serving %s (engine version %d, context %d tokens)", generator_id, cfg.controller,
-                 engine.version, engine_cfg.context())
+        log.info("generator %s serving %s (engine version %d, context %d tokens, model %s)", generator_id,
+                 cfg.controller, engine.version, engine_cfg.context(), engine.model_dir)
         try:
             loop.run(welcome)
         finally:
