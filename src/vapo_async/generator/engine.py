@@ -32,6 +32,13 @@ pi_prox / pi_behav weight): compute its log-probs as log_softmax(logits / T) wit
 train with ``top_p = 1`` (with top_p < 1 the behaviour distribution is truncated, so its log-probs
 are higher than any untruncated learner log-prob and the behaviour weight is biased).
 
+Precision. On a GPU the engine computes in bfloat16 by default (``engine.dtype=auto``; float32 on
+CPU), so its log-probs differ from the learner's at the same policy version by rounding. That gap
+is one more reason pi_behav != pi_prox, and the decoupled objective's weight pi_prox / pi_behav
+corrects each token for it exactly as for staleness; the learner reports its size every step
+(``actor/behav_weight_mean``, ``actor/behav_weight_max``, ``actor/behav_approx_kl``,
+``actor/behav_capped_frac``; histogram ``actor/behav_weight``).
+
 Deliberate departures (AReaL, arXiv 2505.24298, interruptible generation):
 - AReaL discards and recomputes the KV cache of interrupted requests with the new weights; we keep
   it. A token sampled after a reload is therefore drawn from new weights attending to keys/values
@@ -164,18 +171,51 @@ take effect in processes started after they are set (the engine core and its wor
 in-process engine. ``VAPO_CPU_WORKER_ENV=0`` skips them."""
 
 
+SUPPORTED_VLLM = ">=0.32,<0.33"
+"""vLLM releases this module is written for (pyproject's ``gpu`` extra pins the same): it drives
+0.32's API (weight-version spans and ``set_weight_version``, ``pause_scheduler(mode="keep")``,
+in-place ``reload_weights(is_checkpoint_format=True)``, ``processed_logprobs`` with flat log-probs,
+``kv_cache_memory_bytes``), which older releases lack and newer ones may change."""
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise ``RuntimeError`` (one line) unless ``version`` is in ``SUPPORTED_VLLM``. Development
+    builds of a supported release (0.32.1.dev3) pass; pre-releases of 0.32.0 and of 0.33 do not."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        parsed = None
+    if parsed is None or not SpecifierSet(SUPPORTED_VLLM).contains(parsed, prereleases=True):
+        raise RuntimeError(f"vLLM {version} is installed; this engine needs vllm{SUPPORTED_VLLM} (the weight-version "
+                           f"and pause/reload API it drives): pip install 'vllm{SUPPORTED_VLLM}' (the gpu extra)")
+
+
+def resolve_dtype(dtype: str, on_cpu: bool) -> str:
+    """``engine.dtype`` as vLLM takes it: ``auto`` = float32 on CPU, bfloat16 on a GPU (vLLM's own
+    ``auto`` would follow the checkpoint's dtype instead); any other value as given."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if on_cpu else "bfloat16"
+
+
 def engine_kwargs(model_dir: str | Path, cfg: EngineConfig) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for ``cfg`` on the current platform (on CPU this also
-    sets ``CPU_WORKER_ENV`` defaults for the processes vLLM is about to start)."""
+    sets ``CPU_WORKER_ENV`` defaults for the processes vLLM is about to start). Refuses a vLLM
+    outside ``SUPPORTED_VLLM``."""
+    import vllm
     from vllm.platforms import current_platform
 
+    check_vllm_version(vllm.__version__)
     on_cpu = current_platform.is_cpu()
     if on_cpu and os.environ.get("VAPO_CPU_WORKER_ENV", "1") != "0":  # 0: vLLM's and glibc's own defaults
         for key, value in CPU_WORKER_ENV.items():
             os.environ.setdefault(key, value)
     kwargs: dict[str, Any] = dict(
         model=str(model_dir),
-        dtype=cfg.dtype,
+        dtype=resolve_dtype(cfg.dtype, on_cpu),
         max_model_len=cfg.context(),
         seed=cfg.seed,
         enforce_eager=on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,

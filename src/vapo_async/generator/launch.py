@@ -6,9 +6,11 @@
     codes = stop_generators(handles)          # SIGTERM (leases handed back), SIGKILL after a timeout
 
 Each generator is ``python -m vapo_async.generator controller=ENDPOINT generator_id=local-i ...``
-in its own session (process group), logging to ``log_dir/generator-i.log``. Its vLLM engine core is
-a child in the same group; ``stop_generators`` kills whatever is left of the group after the
-generator exits, so no engine outlives it.
+in its own session (process group), logging to ``log_dir/generator-i.log``. On a GPU node the
+learner passes one ``placement.EnginePlacement`` per generator: its devices become the process's
+``CUDA_VISIBLE_DEVICES`` and its memory share ``engine.gpu_memory_utilization``. Its vLLM engine
+core is a child in the same group; ``stop_generators`` kills whatever is left of the group after
+the generator exits, so no engine outlives it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+
+from vapo_async.generator.placement import EnginePlacement, generator_env
 
 log = logging.getLogger(__name__)
 
@@ -54,34 +58,44 @@ def _overrides(overrides: Sequence[str] | Mapping[str, Any] | None) -> list[str]
     return list(overrides)
 
 
-def _env() -> dict[str, str]:
-    """The current environment with this package importable (also when it is not installed)."""
+def _env(placement: EnginePlacement | None = None) -> dict[str, str]:
+    """The current environment with this package importable (also when it is not installed), and
+    the devices of ``placement``."""
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    if placement is not None:
+        env.update(generator_env(placement, os.environ))
     return env
 
 
 def start_local_generators(n: int, controller_endpoint: str,
                            overrides: Sequence[str] | Mapping[str, Any] | None = None,
-                           log_dir: str | Path = "generators", id_prefix: str = "local") -> list[GeneratorHandle]:
+                           log_dir: str | Path = "generators", id_prefix: str = "local",
+                           placements: Sequence[EnginePlacement] | None = None) -> list[GeneratorHandle]:
     """Start ``n`` generator processes connected to ``controller_endpoint``. ``overrides`` are
-    Hydra overrides of ``conf/generator.yaml`` (``["model=DIR"]`` or ``{"model": DIR}``)."""
+    Hydra overrides of ``conf/generator.yaml`` (``["model=DIR"]`` or ``{"model": DIR}``);
+    ``placements`` (one per generator, or None: vLLM's own device choice) their devices and shares."""
     if n < 0:
         raise ValueError(f"number of generators must be >= 0, got {n}")
+    if placements is not None and len(placements) != n:
+        raise ValueError(f"{len(placements)} placements for {n} generators")
     out = Path(log_dir)
     out.mkdir(parents=True, exist_ok=True)
     extra = _overrides(overrides)
     handles = []
     for i in range(n):
         gid = f"{id_prefix}-{i}"
+        placement = placements[i] if placements is not None else None
         cmd = [sys.executable, "-m", "vapo_async.generator", f"controller={controller_endpoint}",
-               f"generator_id={gid}", *extra]
+               f"generator_id={gid}", *extra, *(placement.overrides() if placement is not None else [])]
         path = out / f"generator-{i}.log"
         f = open(path, "a")  # noqa: SIM115 - closed by stop_generators
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=_env(), start_new_session=True)
-        log.info("started generator %s (pid %d), log %s", gid, proc.pid, path)
+                                env=_env(placement), start_new_session=True)
+        where = "" if placement is None else \
+            f" on cuda:{','.join(map(str, placement.devices))} (share {placement.gpu_memory_utilization:.2f})"
+        log.info("started generator %s (pid %d)%s, log %s", gid, proc.pid, where, path)
         handles.append(GeneratorHandle(i, gid, proc, path, f))
     return handles
 

@@ -88,6 +88,19 @@ class GeneratorsConfig:
     """Extra environment of local generators, ``KEY=VALUE`` (e.g. VLLM_CPU_OMP_THREADS_BIND=1)."""
     stop_timeout_s: float = 30.0
     """How long local generators get to leave on SIGTERM before SIGKILL."""
+    tensor_parallel_size: int = 1
+    """Tensor parallelism of each local generator's engine (its number of GPUs)."""
+    devices: list[int] | None = None
+    """GPU: CUDA devices of the local generators as the learner sees them, tensor_parallel_size
+    consecutive entries per generator (e.g. [6,7]); None = the devices the learner does not use,
+    then the learner's own (generator/placement.py)."""
+    gpu_memory_utilization: float | None = None
+    """GPU: share of each of its devices a local generator's vLLM may take; None = an equal part of
+    what the learner and the evaluation engine leave there (0.9 on a device of its own)."""
+    learner_memory_share: float = 0.5
+    """GPU: share of a learner device counted for the learner (weights, optimiser, activations)
+    where a local generator or the evaluation engine shares it. PyTorch does not cap it: set it to
+    the learner's real peak (tools/device_check.sh prints it)."""
 
 
 @dataclass
@@ -147,6 +160,9 @@ class EvalConfig:
     engine: str = "vllm"
     """Sampler: ``vllm`` (one engine in rank 0's process, reloaded per version) or ``hf``
     (transformers generate: no extra engine, much slower on CPU)."""
+    gpu_memory_utilization: float = 0.1
+    """GPU, engine=vllm: share of CUDA device 0 the evaluation engine may take, counted beside the
+    learner's and any local generator's there (generator/placement.py)."""
 
 
 @dataclass
@@ -297,6 +313,7 @@ def validate(cfg: LearnerConfig) -> None:
         raise ConfigError(f"threads={cfg.threads}: must be >= 1 or null")
     if cfg.generators.local < 0:
         raise ConfigError(f"generators.local={cfg.generators.local}: must be >= 0")
+    check_placement_settings(cfg)
     if cfg.batching.micro_batch_overhead_tokens is not None and cfg.batching.micro_batch_overhead_tokens < 0:
         raise ConfigError(f"batching.micro_batch_overhead_tokens={cfg.batching.micro_batch_overhead_tokens}: "
                           "must be >= 0 (or null: chosen for the device)")
@@ -314,6 +331,34 @@ def validate(cfg: LearnerConfig) -> None:
     if cfg.algo.overlong_shaping and not 0 <= cfg.reward.overlong_cache_tokens <= cfg.sampling.max_tokens:
         raise ConfigError(f"reward.overlong_cache_tokens={cfg.reward.overlong_cache_tokens}: must be in "
                           f"[0, sampling.max_tokens={cfg.sampling.max_tokens}] with algo.overlong_shaping")
+
+
+_PLACED_BY_LEARNER = {"engine.gpu_memory_utilization": "generators.gpu_memory_utilization",
+                      "engine.tensor_parallel_size": "generators.tensor_parallel_size"}
+"""Local generator settings the GPU placement decides: ``generators.overrides`` may not set them."""
+
+
+def check_placement_settings(cfg: LearnerConfig) -> None:
+    """The GPU placement settings, checked without a GPU (the plan itself: generator/placement.py)."""
+    gen = cfg.generators
+    if gen.tensor_parallel_size < 1:
+        raise ConfigError(f"generators.tensor_parallel_size={gen.tensor_parallel_size}: must be >= 1")
+    if gen.devices is not None and len(gen.devices) != gen.local * gen.tensor_parallel_size:
+        raise ConfigError(f"generators.devices={gen.devices}: needs generators.local x generators.tensor_parallel_size "
+                          f"= {gen.local * gen.tensor_parallel_size} entries (or null: chosen automatically)")
+    if gen.gpu_memory_utilization is not None and not 0 < gen.gpu_memory_utilization <= 1:
+        raise ConfigError(f"generators.gpu_memory_utilization={gen.gpu_memory_utilization}: must be in (0, 1] or null")
+    if not 0 <= gen.learner_memory_share < 1:
+        raise ConfigError(f"generators.learner_memory_share={gen.learner_memory_share}: must be in [0, 1)")
+    if not 0 < cfg.eval.gpu_memory_utilization <= 1:
+        raise ConfigError(f"eval.gpu_memory_utilization={cfg.eval.gpu_memory_utilization}: must be in (0, 1]")
+    for item in gen.overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if key in _PLACED_BY_LEARNER:
+            raise ConfigError(f"generators.overrides: {item!r} is set by the GPU placement; use "
+                              f"{_PLACED_BY_LEARNER[key]}")
+    if any(item.split("=", 1)[0] == "CUDA_VISIBLE_DEVICES" for item in gen.env):
+        raise ConfigError("generators.env: CUDA_VISIBLE_DEVICES is set by the GPU placement; use generators.devices")
 
 
 def check_controller_endpoints(cfg: LearnerConfig) -> None:

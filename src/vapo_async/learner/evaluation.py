@@ -11,8 +11,9 @@ due while the previous one still runs is skipped); otherwise training waits for 
 
 Sampler (``eval.engine``): ``vllm`` (default) keeps one vLLM engine in the learner's rank-0
 process, built at the first evaluation and reloaded in place with each version (prefix cache reset
-after a reload; ``vapo_async.eval.sample_and_score``); ``hf`` samples with ``transformers``
-``generate`` (no extra engine, ~10x slower on CPU).
+after a reload; ``vapo_async.eval.sample_and_score``; on a GPU it takes ``eval.gpu_memory_utilization``
+of device 0, planned beside the learner and the local generators by ``generator/placement.py``);
+``hf`` samples with ``transformers`` ``generate`` (no extra engine, ~10x slower on CPU).
 
 Departures: the paper evaluates at top_p 0.7 (AIME); this in-training check samples at top_p 1.0
 (the distribution the policy is trained on). ``python -m vapo_async.eval`` is the offline
@@ -97,10 +98,12 @@ def evaluate_dir_hf(model_dir: str | Path, tokenizer: Any, records: list[PromptR
 class VLLMEvaluator:
     """One vLLM engine for all evaluations of a run, reloaded in place with each policy version."""
 
-    def __init__(self, base_dir: str, max_model_len: int, seed: int) -> None:
+    def __init__(self, base_dir: str, max_model_len: int, seed: int, gpu_memory_utilization: float) -> None:
         self.base_dir = base_dir
         self.max_model_len = max_model_len
         self.seed = seed
+        self.gpu_memory_utilization = gpu_memory_utilization
+        """GPU: the engine's share of device 0 (``eval.gpu_memory_utilization``; CPU sizes by bytes)."""
         self.llm: Any = None
         self.loaded: str = base_dir
 
@@ -111,7 +114,8 @@ class VLLMEvaluator:
 
         t0 = time.monotonic()
         if self.llm is None:
-            self.llm = build_llm(model_dir, EngineConfig(max_model_len=self.max_model_len, seed=self.seed))
+            self.llm = build_llm(model_dir, EngineConfig(max_model_len=self.max_model_len, seed=self.seed,
+                                                         gpu_memory_utilization=self.gpu_memory_utilization))
             self.loaded = model_dir
         elif model_dir != self.loaded:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": model_dir, "is_checkpoint_format": True})
@@ -144,7 +148,8 @@ class HeldOutEval(Callback):
         self.tokenizer = tokenizer
         self.seed = seed
         self.reward_fn: Any = None
-        self.vllm = VLLMEvaluator(base_dir, max_model_len, seed) if cfg.engine == "vllm" else None
+        self.vllm = VLLMEvaluator(base_dir, max_model_len, seed, cfg.gpu_memory_utilization) \
+            if cfg.engine == "vllm" else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="held-out-eval")
         self._pending: Future[None] | None = None
         self.last: dict[str, float] | None = None

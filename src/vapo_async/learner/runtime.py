@@ -114,12 +114,17 @@ class Runtime(Callback):
             self.controller.announce(latest)  # version 0: generators without a model start from it
         self.controller.start()
         log.info("controller at %s (weights announced on %s)", self.controller.endpoint, self.controller.pub_endpoint)
+        from vapo_async.generator.placement import cuda_devices, plan_for_learner
+
+        placement = plan_for_learner(self.cfg, cuda_devices())  # over-committed GPU memory: refused here
+        if placement.uses:
+            log.info("GPU placement: %s", placement.describe())
         n = self.cfg.generators.local
         if n > 0:
             with _environment(self.cfg.generators.env):  # the launcher passes os.environ on
                 self.generators = start_local_generators(
                     n, self.controller.endpoint, self._generator_overrides(latest),
-                    log_dir=self.run_dir / "generators")
+                    log_dir=self.run_dir / "generators", placements=placement.generators or None)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.shutdown()
@@ -161,7 +166,7 @@ class Runtime(Callback):
         model, version = (latest.path, latest.version) if latest is not None and latest.version > 0 \
             else (self.model_path, 0)
         out = [f"model={model}", f"model_version={version}", f"max_prompts={cfg.generators.max_prompts}",
-               f"engine.seed={cfg.seed}"]
+               f"engine.seed={cfg.seed}", f"engine.tensor_parallel_size={cfg.generators.tensor_parallel_size}"]
         if cfg.generators.kv_cache_bytes is not None:
             out.append(f"engine.kv_cache_bytes={cfg.generators.kv_cache_bytes}")
         return out + list(cfg.generators.overrides)
