@@ -8,7 +8,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from vapo_async.algo.presets import PRESETS, TECHNIQUES, AlgoConfig, preset, vapo_without
+from vapo_async.algo.presets import (
+    PRESETS,
+    TECHNIQUES,
+    AlgoConfig,
+    batch_groups_for,
+    preset,
+    vapo_without,
+)
 
 
 def test_vapo_preset_has_the_paper_values() -> None:
@@ -68,7 +75,8 @@ def test_lambdas_follow_the_switches() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("clip_low", 1.0), ("behav_mode", "clip"), ("aggregation", "mean"), ("alpha", 0.0), ("eta", -1), ("behav_cap", 0.5), ("group_size", 0)],
+    [("clip_low", 1.0), ("behav_mode", "clip"), ("aggregation", "mean"), ("alpha", 0.0), ("eta", -1), ("behav_cap", 0.5), ("group_size", 0),
+     ("responses_per_step", 0), ("samples_per_prompt", 0), ("value_pretraining_steps", -1)],
 )
 def test_validate_names_the_bad_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"AlgoConfig.{field}"):
@@ -94,3 +102,22 @@ def test_structured_config_round_trip_with_override() -> None:
     bad = OmegaConf.merge(OmegaConf.structured(PRESETS["vapo"]), OmegaConf.from_dotlist(["clip_high=-1"]))
     with pytest.raises(ValueError, match="clip_high"):
         OmegaConf.to_object(bad)
+
+
+def test_presets_agree_with_their_scale_fields() -> None:
+    # the Python presets are the tiny scale: 128 responses per step, G = 8, 10 value-pretraining steps
+    for name, c in PRESETS.items():
+        assert c.batch_groups * c.group_size == c.responses_per_step == 128, name
+        assert (c.samples_per_prompt, c.value_pretraining_steps) == (8, 10), name
+        assert c.group_size == (1 if name == "ppo" else 8), name
+        assert c.value_warmup_steps == (10 if name == "vapo" else 0), name
+
+
+def test_batch_groups_for_the_scale() -> None:
+    assert batch_groups_for(8192, 16) == 512  # the paper: 512 prompts x 16
+    assert batch_groups_for(8192, 1) == 8192  # vanilla PPO: 8192 x 1
+    assert batch_groups_for(128, 8) == 16
+    with pytest.raises(ValueError, match="algo.responses_per_step=100 must be a positive multiple of algo.group_size=16"):
+        batch_groups_for(100, 16)
+    with pytest.raises(ValueError, match="algo.group_size=0"):
+        batch_groups_for(128, 0)

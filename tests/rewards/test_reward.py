@@ -47,7 +47,7 @@ def test_overlong_shaping_adds_to_correctness() -> None:
 
 
 def test_config_validation_messages() -> None:
-    with pytest.raises(ValueError, match="overlong_cache_tokens < max_response_tokens"):
+    with pytest.raises(ValueError, match="reward.overlong_cache_tokens=10: .* in \\[0, reward.max_response_tokens=10\\)"):
         RewardConfig(overlong_shaping=True, max_response_tokens=10, overlong_cache_tokens=10)
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         RewardConfig(timeout_s=0)

@@ -14,6 +14,10 @@ embedded ~1M-parameter Qwen2-shaped model on 2 CPU cores):
 - Batch: 16 prompts x G = 8 = 128 responses per step, in 4 mini-batches of 32 (the paper uses
   8192 responses in 16 mini-batches of 512; 2 CPU cores do not fit more per step).
 - Value pretraining: the paper's 50 steps (1% of a 5000-step run) -> 10 steps.
+- The scale (responses per step, G, value-pretraining length) is three fields a model preset sets
+  (``responses_per_step``, ``samples_per_prompt``, ``value_pretraining_steps``); each algorithm's
+  conf/algo/NAME.yaml turns them into its own shape (PPO: responses_per_step prompts x 1 sample,
+  no value pretraining), so conf/model/qwen2.5-7b.yaml gives VAPO 512 x 16 and PPO 8192 x 1.
 - LR warm-up: DAPO's 20 steps -> 5. eta = 4 (AReaL's default for code tasks).
 - Unchanged: gamma 1, lambda_critic 1, lambda_policy 0.95 (non-adaptive), alpha 0.05, clips
   0.2 / 0.28, mu = 0.1. Departure in the tiny model preset: alpha 0.5, because eq. 5 at 0.05 gives
@@ -101,6 +105,16 @@ class AlgoConfig:
     """Prompts (groups) per optimizer step; responses per step = batch_groups * group_size."""
     mini_batches: int = 4
     """Mini-batches (optimizer steps) per global batch and PPO epoch."""
+    responses_per_step: int = 128
+    """The run's scale, set by conf/model/ (paper: 8192): conf/algo/NAME.yaml derives
+    batch_groups = responses_per_step / group_size from it, so one-sample PPO and G-sample VAPO
+    train on as many responses per step. Setting batch_groups directly leaves it aside."""
+    samples_per_prompt: int = 8
+    """The scale's G (paper: 16): group_size of the presets that sample groups (vapo, grpo, dapo);
+    ppo samples one response per prompt whatever this says."""
+    value_pretraining_steps: int = 10
+    """The scale's value-pretraining length (paper: 50): value_warmup_steps of vapo; the presets
+    without value pretraining (ppo, grpo, dapo) keep 0."""
     ppo_epochs: int = 1
     """Passes over each global batch."""
     eta: int = 4
@@ -116,7 +130,8 @@ class AlgoConfig:
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal (accuracy 0 or 1) and sample more."""
     overlong_shaping: bool = False
-    """DAPO eq. 13: add the soft overlong penalty to the reward."""
+    """DAPO eq. 13: add the soft overlong penalty to the reward (L_max = sampling.max_tokens,
+    L_cache = reward.overlong_cache_tokens, by default 20% of L_max)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -163,6 +178,9 @@ class AlgoConfig:
             ("group_size", self.group_size >= 1),
             ("batch_groups", self.batch_groups >= 1),
             ("mini_batches", self.mini_batches >= 1),
+            ("responses_per_step", self.responses_per_step >= 1),
+            ("samples_per_prompt", self.samples_per_prompt >= 1),
+            ("value_pretraining_steps", self.value_pretraining_steps >= 0),
             ("ppo_epochs", self.ppo_epochs >= 1),
             ("eta", self.eta >= 0),
             ("actor_lr", self.actor_lr > 0.0),
@@ -205,6 +223,9 @@ _RULES = {
     "group_size": ">= 1",
     "batch_groups": ">= 1",
     "mini_batches": ">= 1",
+    "responses_per_step": ">= 1",
+    "samples_per_prompt": ">= 1",
+    "value_pretraining_steps": ">= 0",
     "ppo_epochs": ">= 1",
     "eta": ">= 0",
     "actor_lr": "> 0",
@@ -237,6 +258,15 @@ PRESETS: dict[str, AlgoConfig] = {
     ),
 }
 """Preset configs. Treat them as read-only: take ``preset(name)`` (a copy) to modify one."""
+
+
+def batch_groups_for(responses_per_step: int, group_size: int) -> int:
+    """Prompts per step that give ``responses_per_step`` responses of ``group_size`` samples each
+    (conf/algo/NAME.yaml: ``batch_groups: ${vapo.batch_groups:...}``); not a multiple: ValueError."""
+    if group_size < 1 or responses_per_step < 1 or responses_per_step % group_size:
+        raise ValueError(f"algo.responses_per_step={responses_per_step} must be a positive multiple of "
+                         f"algo.group_size={group_size} (batch_groups = responses_per_step / group_size)")
+    return responses_per_step // group_size
 
 
 def preset(name: str) -> AlgoConfig:

@@ -221,6 +221,9 @@ def _hydra_main(dcfg: DictConfig) -> None:
 
 def main() -> None:
     """Entry point: check the overrides (one-line errors), then hand over to Hydra."""
+    from vapo_async.learner.model_presets import implied_overrides
+
+    sys.argv[1:] = implied_overrides(sys.argv[1:])  # model.path=DIR alone means model=hf (Hydra reads argv)
     overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
     # A shell starts background jobs (`cmd &` in a script) with SIGINT ignored, and Python then
     # installs no KeyboardInterrupt handler: restore it, so SIGINT always stops training cleanly.

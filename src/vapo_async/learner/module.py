@@ -161,7 +161,7 @@ class LearnerModule(L.LightningModule):
         if self.stream is not None:
             return
         a = self.algo
-        overlong = (self.cfg.sampling.max_tokens, self.cfg.reward.overlong_cache_tokens) if a.overlong_shaping else None
+        overlong = self.cfg.reward.overlong_band(self.cfg.sampling.max_tokens) if a.overlong_shaping else None
         scfg = StreamConfig(
             batch_groups=a.batch_groups, group_size=a.group_size, eta=a.eta, n_minibatches=a.mini_batches,
             micro_batch_tokens=self.cfg.batching.micro_batch_tokens,

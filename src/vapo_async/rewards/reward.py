@@ -9,6 +9,8 @@ R_len the soft overlong punishment of DAPO (PAPER.md, DAPO bullet):
     R_len(y) = 0                                  if |y| <= L_max - L_cache
              = ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max
              = -1                                 if |y| > L_max
+L_cache is resolved in one place, ``RewardConfig.overlong_band`` (null: 20% of L_max, DAPO's 4096 of
+20480); the learner applies the same band with L_max = sampling.max_tokens (``algo.overlong_shaping``).
 
 Departures (deliberate): DAPO grades only the ``Answer:`` line; we also accept ``\\boxed{}`` and
 ``#### N`` (``answer_formats`` restricts that) and use math-verify for equivalence instead of
@@ -55,8 +57,9 @@ class RewardConfig:
     """Add DAPO's soft overlong punishment R_len(|y|) (PAPER.md, DAPO)."""
     max_response_tokens: int = 1024
     """L_max: responses longer than this get R_len = -1 (should equal the sampling max_tokens)."""
-    overlong_cache_tokens: int = 256
-    """L_cache: length of the linear penalty ramp before L_max (DAPO: 4096 of 20480)."""
+    overlong_cache_tokens: int | None = None
+    """L_cache: length of the linear penalty ramp before L_max; None = 20% of L_max rounded down
+    (DAPO's proportion, 4096 of 20480; 256 -> 51). ``overlong_band`` resolves it."""
     timeout_s: float = 5.0
     """Hard bound on one math-verify check (the worker is killed after it); the sample is wrong."""
     verify_workers: int = 1
@@ -81,12 +84,11 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ValueError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
-        if self.overlong_shaping and not 0 < self.overlong_cache_tokens < self.max_response_tokens:
-            raise ValueError(
-                "reward.overlong_shaping needs 0 < overlong_cache_tokens < max_response_tokens, "
-                "got "
-                f"{self.overlong_cache_tokens} and {self.max_response_tokens}"
-            )
+        if self.overlong_cache_tokens is not None and self.overlong_cache_tokens < 0:
+            raise ValueError(f"reward.overlong_cache_tokens={self.overlong_cache_tokens}: must be >= 0 "
+                             "(or null: 20% of L_max)")
+        if self.overlong_shaping:
+            self.overlong_band(self.max_response_tokens, "reward.max_response_tokens")
         unknown = set(self.answer_formats) - set(ALL_FORMATS)
         if unknown or not self.answer_formats:
             raise ValueError(
@@ -102,6 +104,18 @@ class RewardConfig:
             raise ValueError(
                 f"reward.custom needs a '_target_' key, got keys {sorted(self.custom)}"
             )
+
+    def overlong_band(self, max_len: int, max_key: str = "sampling.max_tokens") -> tuple[int, int]:
+        """(L_max, L_cache) of DAPO's soft overlong punishment for responses of at most ``max_len``
+        tokens (``max_key`` names that setting in errors). The one place L_cache is resolved:
+        ``overlong_cache_tokens``, or None = ``max_len // 5`` (20% rounded down: 20480 -> 4096,
+        256 -> 51). ValueError naming reward.overlong_cache_tokens unless 0 <= L_cache < L_max:
+        at L_cache = L_max the band would start at length 0 and penalise every response."""
+        cache = max_len // 5 if self.overlong_cache_tokens is None else self.overlong_cache_tokens
+        if max_len < 1 or not 0 <= cache < max_len:
+            raise ValueError(f"reward.overlong_cache_tokens={self.overlong_cache_tokens}: L_cache={cache} must be "
+                             f"in [0, {max_key}={max_len}) (the soft band is the last L_cache tokens before L_max)")
+        return max_len, cache
 
 
 def overlong_penalty(num_tokens: int, max_len: int, cache_len: int) -> float:
@@ -150,6 +164,8 @@ class RewardFn:
             memory_mb=cfg.worker_memory_mb,
         )
         self._formats = tuple(cfg.answer_formats)
+        self._overlong = (cfg.overlong_band(cfg.max_response_tokens, "reward.max_response_tokens")
+                          if cfg.overlong_shaping else None)
 
     def _custom_score(self, response: str, ground_truth: str, num_tokens: int) -> Score:
         assert self.custom is not None
@@ -183,11 +199,9 @@ class RewardFn:
             score = self._custom_score(response, ground_truth, num_tokens)
         else:
             score = self._rule_score(response, ground_truth)
-        if not self.cfg.overlong_shaping:
+        if self._overlong is None:
             return score
-        r_len = overlong_penalty(
-            num_tokens, self.cfg.max_response_tokens, self.cfg.overlong_cache_tokens
-        )
+        r_len = overlong_penalty(num_tokens, *self._overlong)
         return Score(reward=score.reward + r_len, correct=score.correct, formatted=score.formatted)
 
     def metrics(self) -> dict[str, float]:
