@@ -41,10 +41,12 @@ class ModelConfig:
     """Which model the actor and critic start from."""
 
     name: str = "tiny"
-    """Label of the preset (conf/model/NAME.yaml); informative only."""
+    """Label of the preset (conf/model/NAME.yaml); ``tiny`` refuses a ``path`` (its knobs fit only
+    the tiny base)."""
     path: str | None = None
     """Hugging Face directory (or hub id where the hub is reachable); None = the tiny base model,
-    built on first use from ``tiny`` and cached."""
+    built on first use from ``tiny`` and cached. Given without ``model=``, it means ``model=hf``
+    (learner/model_presets.py)."""
     critic_path: str | None = None
     """Reward-model directory to initialise the critic from (one-label token head); None = the
     base model's backbone with a zero value head."""
