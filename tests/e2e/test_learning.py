@@ -29,7 +29,7 @@ def test_rollout_reward_rises_on_a_learnable_reward(tiny_model_dir, tmp_path, al
     run_dir = tmp_path / "run"
     overrides = [
         f"model.path={tiny_model_dir}", "trainer.accelerator=cpu", "trainer.devices=1",
-        f"algo={algo}", "algo.actor_lr=2e-3", "algo.warmup_steps=0", "algo.eta=2", "algo.batch_groups=8",
+        f"algo={algo}", "algo.actor_lr=2e-3", "algo.alpha=0.5", "algo.warmup_steps=0", "algo.eta=2", "algo.batch_groups=8",
         "algo.group_size=8", "algo.mini_batches=2", "trainer.max_steps=16", "sampling.max_tokens=16",
         "eval.every_n_steps=0", "checkpoint.every_n_steps=0", "trainer.enable_progress_bar=false",
         "data.n_train=256", f"controller.transport.endpoint=ipc://{tmp_path}/ctl",

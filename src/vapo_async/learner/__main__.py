@@ -59,14 +59,16 @@ def load_data(cfg: LearnerConfig) -> tuple[list[Any], list[Any]]:
 
     try:
         train = load_prompts(cfg.data, "train")
-        held_out = load_prompts(cfg.data, "eval")[: cfg.eval.n_prompts] if cfg.eval.every_n_steps > 0 else []
+        held_out = load_prompts(cfg.eval.data or cfg.data, "eval")[: cfg.eval.n_prompts] \
+            if cfg.eval.every_n_steps > 0 else []
     except (DatasetError, OSError) as e:
         raise ConfigError(f"data: {one_line(e)}") from e
     if not train:
         raise ConfigError(f"data.name={cfg.data.name}: the train split has no prompts")
     if cfg.eval.every_n_steps > 0 and not held_out:
-        raise ConfigError(f"eval.every_n_steps={cfg.eval.every_n_steps} but data.name={cfg.data.name} has no "
-                          "eval split (set eval.every_n_steps=0)")
+        source = cfg.eval.data or cfg.data
+        raise ConfigError(f"eval.every_n_steps={cfg.eval.every_n_steps} but {source.name} has no eval split "
+                          "(set eval.data to a dataset with one, or eval.every_n_steps=0)")
     return train, held_out
 
 
