@@ -19,7 +19,7 @@ Rules (device indices are CUDA indices as the learner process sees them):
   ``generators.devices``, or, when that is null, the devices the learner does not use, in order,
   then (when there are too few) the learner's own, wrapping around.
 - Its share is ``generators.gpu_memory_utilization``, or, when that is null, an equal part of what
-  the learner and the evaluation engine leave on the most crowded of its devices (rounded down to
+  the learner and the evaluation engine leave on the tightest of its devices (rounded down to
   0.01): ``MEMORY_BOUND`` on a device of its own.
 - Without CUDA devices nothing is planned: on CPU the engines size their KV cache in bytes
   (``engine.kv_cache_bytes``) and no share applies.
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 MEMORY_BOUND = 0.9
 """Most the shares on one device may sum to: vLLM's own default share for an engine alone on a
-device. The rest is for what no share counts: each process's CUDA context (~0.5 GiB), NCCL buffers
+device. The rest is for what no share counts: each process's CUDA context (hundreds of MiB), NCCL buffers
 and allocator fragmentation."""
 
 LEARNER_KEY = "generators.learner_memory_share"
