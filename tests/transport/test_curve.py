@@ -85,6 +85,36 @@ def test_curve_on_loopback_admits_only_authorised_keys(keys: dict[str, Path]) ->
         ctl.stop()
 
 
+def test_a_key_copied_in_later_is_admitted_without_a_restart(keys: dict[str, Path], tmp_path: Path) -> None:
+    """The controller re-reads authorized_keys_dir when it changes: a generator host added while the
+    learner runs joins; removing its key refuses its next connection."""
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    server = CurveConfig(server_secret_file=str(keys["controller.key_secret"]), authorized_keys_dir=str(authorized),
+                         force=True)
+    ctl = _controller("tcp://127.0.0.1:*", server)
+    ctl.start()
+    try:
+        def connect(timeout_s: float) -> None:
+            curve = CurveConfig(server_public_file=str(keys["controller.key"]),
+                                client_secret_file=str(keys["stranger.key_secret"]))
+            c = ControllerClient(TransportConfig(endpoint=ctl.endpoint, curve=curve), f"g{time.monotonic_ns()}")
+            try:
+                c.connect(timeout_s=timeout_s)
+            finally:
+                c.close()
+
+        with pytest.raises(TimeoutError, match="CURVE keys refused"):
+            connect(1.0)  # not authorised yet
+        (authorized / "stranger.key").write_bytes(keys["stranger.key"].read_bytes())
+        connect(10.0)  # copied in while the controller runs: admitted
+        (authorized / "stranger.key").unlink()
+        with pytest.raises(TimeoutError, match="CURVE keys refused"):
+            connect(1.0)
+    finally:
+        ctl.stop()
+
+
 def test_refuses_to_bind_off_loopback_without_keys(caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(InsecureEndpointError, match="allow_insecure"):
         _controller("tcp://0.0.0.0:*").start()

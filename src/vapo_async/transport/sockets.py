@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 from pathlib import Path
 
 import zmq
@@ -121,6 +122,27 @@ def _client_curve(sock: zmq.Socket, curve: CurveConfig) -> None:
     sock.curve_serverkey = server_public
 
 
+class AuthorizedKeys:
+    """CURVE credentials of the controller: the public keys (``*.key``) in ``directory``, re-read
+    whenever the directory changes, so a generator host whose key is copied in later is admitted
+    without restarting the learner (and a removed key is refused from its next connection)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self._stamp: tuple[tuple[str, int], ...] | None = None
+        self._keys: frozenset[bytes] = frozenset()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP hook (``ThreadAuthenticator.configure_curve_callback``): is ``key`` (z85) admitted?
+        Runs once per connection, so listing the directory each time costs nothing that matters."""
+        with os.scandir(self.directory) as entries:
+            stamp = tuple(sorted((e.name, e.stat().st_mtime_ns) for e in entries))
+        if stamp != self._stamp:
+            self._keys = frozenset(zmq.auth.load_certificates(str(self.directory)))
+            self._stamp = stamp
+        return key in self._keys
+
+
 class ServerSockets:
     """The controller's ROUTER (requests, rollouts, fetches) and PUB (weight announcements).
 
@@ -163,7 +185,8 @@ class ServerSockets:
         if self.curve:
             self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger(__name__ + ".zap"))
             self.auth.start()
-            self.auth.configure_curve(domain="*", location=str(cfg.curve.authorized_keys_dir))
+            self.auth.configure_curve_callback(domain="*",
+                                               credentials_provider=AuthorizedKeys(str(cfg.curve.authorized_keys_dir)))
         for sock in (self.router, self.pub):
             _common(sock, cfg)
             sock.setsockopt(zmq.LINGER, 0)
