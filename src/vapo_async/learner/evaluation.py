@@ -112,9 +112,11 @@ class VLLMEvaluator:
                  reward_fn: Any, seed: int) -> dict[str, float]:
         from vapo_async.eval.runner import build_llm, sample_and_score, summarize_results
         from vapo_async.generator.config import EngineConfig
+        from vapo_async.learner.console import route_vllm_logging
 
         t0 = time.monotonic()
         if self.llm is None:
+            route_vllm_logging()  # its start-up goes to RUN_DIR/logs/, not to the console
             self.llm = build_llm(model_dir, EngineConfig(max_model_len=self.max_model_len, seed=self.seed,
                                                          gpu_memory_utilization=self.gpu_memory_utilization))
             self.loaded = model_dir
@@ -165,8 +167,13 @@ class HeldOutEval(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         self._check()
+        last = 0 <= trainer.max_steps <= trainer.global_step
+        if last:  # the last step's evaluation is never skipped, and reports before fit says it stopped
+            self.wait()
         if self.cfg.every_n_steps > 0 and pl_module.step % self.cfg.every_n_steps == 0:  # type: ignore[attr-defined]
             self.run(trainer, pl_module)
+        if last:
+            self.wait()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.wait()

@@ -36,8 +36,8 @@ REQUIRED_TAGS = (
 """Tags a VAPO run writes (the issue's list; the end-to-end test checks them)."""
 
 PROGRESS = {"rollout/reward_mean": "reward", "rollout/accuracy": "acc", "train/version": "v",
-            "eval/accuracy": "eval"}
-"""Progress-bar names of a few scalars."""
+            "async/staleness_mean": "stale", "perf/generator_tokens_per_s": "tok/s", "eval/accuracy": "eval"}
+"""Progress-bar names of a few scalars, in the order the bar shows them (``console.StepProgressBar``)."""
 
 
 class ThroughputWindow:
