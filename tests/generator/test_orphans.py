@@ -13,15 +13,33 @@ from pathlib import Path
 import psutil
 import pytest
 
+from vapo_async.controller.config import ControllerConfig
+from vapo_async.controller.server import Controller
+from vapo_async.transport.config import TransportConfig
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
+class _Prompt:
+    prompt = "What is 1 + 1?"
+    answer = "2"
+
+
 def test_sigkilled_generator_leaves_no_descendants(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # a real controller: the generator builds its engine only once welcomed (the welcome sets its context)
+    endpoint = f"ipc://{tmp_path}/ctl"
+    cfg = ControllerConfig(transport=TransportConfig(endpoint=endpoint), max_model_len=256,
+                           sampling={"n": 2, "max_tokens": 16})
+    with Controller(cfg, [_Prompt()], batch_groups=1, eta=0, vocab_size=320):
+        _kill_and_watch(tiny_model_dir, tmp_path, endpoint)
+
+
+def _kill_and_watch(tiny_model_dir: Path, tmp_path: Path, endpoint: str) -> None:
     log_path = tmp_path / "generator.log"
-    cmd = [sys.executable, "-m", "vapo_async.generator", f"controller=ipc://{tmp_path}/nobody",
-           f"model={tiny_model_dir}", "engine.max_model_len=256", "generator_id=orphan-test"]
+    cmd = [sys.executable, "-m", "vapo_async.generator", f"controller={endpoint}",
+           f"model={tiny_model_dir}", "generator_id=orphan-test", f"weights_cache={tmp_path}/cache"]
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log_path, "w") as log:  # own session: the finally below can clean up after a failure
         gen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -29,8 +47,8 @@ def test_sigkilled_generator_leaves_no_descendants(tiny_model_dir: Path, tmp_pat
     descendants: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 240
-        # the engine is up once the generator says hello (to nobody: no controller is needed here)
-        while "connecting to controller" not in log_path.read_text():
+        # the engine is up once the generator says it is serving
+        while "serving" not in log_path.read_text():
             assert gen.poll() is None, f"generator exited early:\n{log_path.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"engine did not start:\n{log_path.read_text()[-3000:]}"
             time.sleep(0.2)
