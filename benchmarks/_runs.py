@@ -62,6 +62,10 @@ class RunRecord:
     """``{tag: [[step, value], ...]}`` for the ``CURVE_TAGS`` present."""
     log_tail: str = ""
     """Last lines of the learner's output when it did not end ``ok``."""
+    load_avg: list[float] = field(default_factory=list)
+    """1-minute load average at the run's start and end (empty in records written before it was kept)."""
+    commit: str = ""
+    """The commit the run ran (records kept by ``--resume`` may come from an earlier one)."""
 
     def curve(self, tag: str) -> Curve:
         """The (step, value) points of ``tag`` (empty when absent)."""
@@ -151,6 +155,8 @@ def run_learner(record: RunRecord, run_dir: Path, timeout_s: float, grace_s: flo
     log_path = run_dir / "learner.log"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH", "")) if p)
+    record.commit = git_commit()
+    record.load_avg = [round(os.getloadavg()[0], 2)]
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
         port = f"controller.transport.endpoint=tcp://127.0.0.1:{free_port_pair()}"
@@ -161,6 +167,7 @@ def run_learner(record: RunRecord, run_dir: Path, timeout_s: float, grace_s: flo
         record.returncode = _wait(proc, timeout_s, known, grace_s)
         record.status = "timeout" if record.returncode is None else "ok" if record.returncode == 0 else "crash"
     record.wall_s = time.monotonic() - t0
+    record.load_avg.append(round(os.getloadavg()[0], 2))
     for leftover in _reap(known):
         print(f"    stopped a process the learner left running: {leftover}", flush=True)
     tb = run_dir / "tb"
@@ -514,11 +521,8 @@ def free_port_pair() -> int:
     raise RuntimeError("no free pair of consecutive TCP ports found on 127.0.0.1")
 
 
-def run_meta(budget: str, description: str, variants: list[str]) -> dict[str, Any]:
-    """Provenance of a benchmark invocation: budget, what ran, machine, date, commit."""
-    import datetime
-    import platform
-
+def git_commit() -> str:
+    """The short commit of this checkout, marked when src/ has uncommitted changes."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                 text=True, check=True).stdout.strip()
@@ -527,6 +531,16 @@ def run_meta(budget: str, description: str, variants: list[str]) -> dict[str, An
         commit += " (src/ modified)" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
+    return commit
+
+
+def run_meta(budget: str, description: str, variants: list[str]) -> dict[str, Any]:
+    """Provenance of a benchmark invocation: budget, what ran, machine, date, commit, load."""
+    import datetime
+    import platform
+
+    commit = git_commit()
     machine = f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()})"
     return {"budget": budget, "description": description, "variants": variants, "machine": machine,
-            "date": datetime.date.today().isoformat(), "commit": commit}
+            "date": datetime.date.today().isoformat(), "commit": commit,
+            "load_avg_start": [round(x, 2) for x in os.getloadavg()]}
