@@ -11,12 +11,12 @@ from ctl_helpers import run_learner, trained_ids
 
 def _watch_admission(ctl, stop: threading.Event, violations: list[str]) -> None:
     """Check the rule k_next <= (steps_done + eta + 1) * B continuously, under the controller lock."""
-    adm = ctl.admission
+    adm = ctl.state.admission
     while not stop.is_set():
         with ctl._lock:
             bound = (adm.steps_done + adm.eta + 1) * adm.batch_groups
-            if adm.next_slot() > bound or len(ctl.buffer) > adm.max_batch():
-                violations.append(f"k_next={adm.next_slot()} bound={bound} buffer={len(ctl.buffer)}")
+            if adm.next_slot() > bound or len(ctl.state.buffer) > adm.max_batch():
+                violations.append(f"k_next={adm.next_slot()} bound={bound} buffer={len(ctl.state.buffer)}")
         time.sleep(0.0005)
 
 

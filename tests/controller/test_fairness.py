@@ -20,8 +20,8 @@ def _wait(cond, what: str, timeout_s: float = 10.0) -> None:
 def _leased_to(ctl, generator_id: str) -> int:
     """Prompts currently leased (unreceived) to ``generator_id``, from the controller's ledger."""
     with ctl._lock:
-        ident = ctl.by_generator[generator_id]
-        return sum(len(ctl.ledger.leases[i].open) for i in ctl.ledger.by_owner.get(ident, ()))
+        ident = ctl.state.sessions.by_generator[generator_id]
+        return sum(len(ctl.state.ledger.leases[i].open) for i in ctl.state.ledger.by_owner.get(ident, ()))
 
 
 def _receive_leases(gen: RawGenerator, n_prompts: int) -> list[Lease]:
@@ -38,7 +38,7 @@ def _receive_leases(gen: RawGenerator, n_prompts: int) -> list[Lease]:
 
 def _wanted(ctl, generator_id: str) -> int:
     with ctl._lock:
-        return ctl.sessions[ctl.by_generator[generator_id]].wanted
+        return ctl.state.sessions.by_ident[ctl.state.sessions.by_generator[generator_id]].wanted
 
 
 def test_equal_credit_under_capacity_limit_is_shared_round_robin(make_controller, endpoint) -> None:

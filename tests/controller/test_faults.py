@@ -29,8 +29,8 @@ def _spawn_generator(endpoint: str, generator_id: str, delay_s: float) -> subpro
 
 def _active_leases(ctl, generator_id: str) -> int:
     with ctl._lock:
-        ident = ctl.by_generator.get(generator_id)
-        return len(ctl.ledger.by_owner.get(ident, ())) if ident else 0
+        ident = ctl.state.sessions.by_generator.get(generator_id)
+        return len(ctl.state.ledger.by_owner.get(ident, ())) if ident else 0
 
 
 def test_sigkill_mid_lease_reissues_and_trains_everything_once(make_controller, start_generator, endpoint) -> None:
@@ -79,7 +79,7 @@ def test_state_round_trip_then_resume_with_running_generators(make_controller, s
 
     state = json.loads(json.dumps(msgpack.unpackb(msgpack.packb(state))))  # checkpoint-safe
     b = make_controller(n_prompts=13, batch_groups=B, eta=eta, state=state)
-    assert b.version == 4 and b.admission.steps_done == 4
+    assert b.version == 4 and b.state.admission.steps_done == 4
     resumed = run_learner(b, 6 + eta + 1, B, steps=6, first_step=4)  # steps 4-9, then drain
     acc = b.accounting()
     ids_a = trained_ids(before)

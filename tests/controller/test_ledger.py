@@ -38,7 +38,7 @@ def test_deadline_reissues_to_the_front_and_heartbeats_extend() -> None:
     assert led.expire(now=1.5) == 0
     assert led.expire(now=1.9) == 1
     assert list(led.pending) == [0, 1, 2, 3, 4]  # re-issued first, in their original order
-    assert led.counts["reissued"] == 3 and all(led.state[i] == PENDING for i in range(5))
+    assert led.counts["reissued"] == 3 and all(led.state_of(i) == PENDING for i in range(5))
     led.check(admitted=5)
 
 
@@ -57,7 +57,7 @@ def test_late_group_is_accepted_and_the_reissued_copy_is_a_duplicate() -> None:
     led.expire(now=5.0)
     second = led.open_lease(B, led.take_pending(2, set()), 5.0, 1.0, 10.0, 0)
     assert _receive(led, first.lease_id, 100, A) == "ok"  # A was slow, not dead
-    assert led.state[0] == BUFFERED and led.state[1] == LEASED
+    assert led.state_of(0) == BUFFERED and led.state_of(1) == LEASED
     assert _receive(led, second.lease_id, 100, B) == "duplicate"
     assert _receive(led, second.lease_id, 101, B) == "ok"
     assert _receive(led, first.lease_id, 101, A) == "duplicate"  # both leases closed now

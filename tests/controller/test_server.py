@@ -228,6 +228,6 @@ def test_refused_groups(make_controller, endpoint, case: str) -> None:
 
 def test_controller_thread_failure_surfaces_in_next_batch(make_controller) -> None:
     ctl = make_controller()
-    ctl.ledger.leases = None  # corrupt internal state: the next housekeeping pass raises
+    ctl.state.ledger.leases = None  # corrupt internal state: the next housekeeping pass raises
     with pytest.raises(RuntimeError, match="controller thread failed"):
         ctl.next_batch(4, timeout_s=5)

@@ -155,12 +155,12 @@ def group_members(pgid: int) -> list[str]:
 def active_items(ctl: Any, generator_id: str) -> list[int]:
     """Items currently leased (active leases, not received) to the session of ``generator_id``."""
     with ctl._lock:
-        ident = ctl.by_generator.get(generator_id)
+        ident = ctl.state.sessions.by_generator.get(generator_id)
         if ident is None:
             return []
         out = []
-        for lease_id in ctl.ledger.by_owner.get(ident, ()):
-            lease = ctl.ledger.leases[lease_id]
+        for lease_id in ctl.state.ledger.by_owner.get(ident, ()):
+            lease = ctl.state.ledger.leases[lease_id]
             out += [lease.items[p] for p in lease.open if lease.active]
         return sorted(out)
 
@@ -168,7 +168,7 @@ def active_items(ctl: Any, generator_id: str) -> list[int]:
 def received(ctl: Any, items: list[int]) -> bool:
     """Every item in ``items`` has been received (buffered, consumed or done)."""
     with ctl._lock:
-        return all(ctl.ledger.state.get(i, "done") not in ("pending", "leased") for i in items)
+        return all(ctl.state.ledger.state_of(i) not in ("pending", "leased") for i in items)
 
 
 # ---- learner stand-in ----

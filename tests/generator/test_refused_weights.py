@@ -111,7 +111,7 @@ def test_refused_version_is_reported_and_its_leases_reissued(engine, published: 
         assert engine.version == 1 and sync.stats.refused == 1 and loop.stats.leases_handed_back == 1
         time.sleep(1.0)  # it asks for no credit while refusing: no lease ping-pong
         assert ctl.metrics()["controller/leases"] == leases_before + 1 and ctl.accounting()["leased"] == 0
-        assert "refuser refused weights version 2" in str(ctl._describe())
+        assert "refuser refused weights version 2" in str(ctl.state.describe())
 
         # a generator that can load version 2 gets the re-issued prompts: nothing waits on the refuser
         healthy = ScriptedGenerator(TransportConfig(endpoint=ctl.endpoint), "healthy", group_size=G, max_prompts=B)

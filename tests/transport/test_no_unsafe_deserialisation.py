@@ -36,4 +36,4 @@ def test_module_has_no_unsafe_deserialisation(path: Path) -> None:
 
 def test_the_scan_sees_every_module() -> None:
     names = {p.name for p in MODULES}
-    assert {"messages.py", "rollout.py", "client.py", "weights.py", "fetch.py", "server.py", "handlers.py"} <= names
+    assert {"messages.py", "rollout.py", "client.py", "weights.py", "fetch.py", "server.py", "state.py"} <= names

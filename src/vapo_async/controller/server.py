@@ -1,4 +1,4 @@
-"""The controller: a thread beside learner rank 0 that owns prompts, versions and admission.
+"""The controller's socket thread beside learner rank 0, around the state machine ``state.py``.
 
 Learner-facing API (docs/CONTRACTS.md)::
 
@@ -11,12 +11,14 @@ Learner-facing API (docs/CONTRACTS.md)::
     ctl.state_dict() / ctl.load_state_dict(d)  # into the Lightning checkpoint (load before start)
     ctl.metrics(); ctl.accounting(); ctl.stop()
 
-Network side: one ROUTER for generators (hello/request/group/heartbeat/bye/fetch/weights_refused)
-and one PUB for weight announcements, both used only by the controller thread. Learner calls take
-``_lock`` and wake the thread through an inproc PAIR. The thread never blocks on a generator (see
-``ServerSockets`` for back-pressure). Invalid messages are rejected, counted and logged
-(``stats.py``); any other exception stops the thread and is re-raised in the learner by
-``next_batch``.
+This module owns what the state machine must not: the ROUTER for generators, the PUB for weight
+announcements (both used only by the thread), the inproc PAIR through which learner calls wake the
+thread, the lock shared with the learner thread, and the clock. The thread decodes each message
+outside the lock, hands it to ``ControllerState.handle`` under the lock, and sends the replies after
+releasing it, never blocking on a generator (see ``ServerSockets`` for back-pressure): a reply that
+cannot be sent is counted and reported back (``ControllerState.undelivered``). Invalid messages are
+rejected, counted and logged (``stats.py``); any other exception stops the thread and is re-raised
+in the learner by ``next_batch``.
 """
 
 from __future__ import annotations
@@ -25,54 +27,38 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import zmq
 
-from vapo_async.controller.admission import Admission
 from vapo_async.controller.config import ControllerConfig
-from vapo_async.controller.handlers import Handlers, Outgoing, Session
-from vapo_async.controller.leases import Ledger
-from vapo_async.controller.order import PromptOrder
-from vapo_async.controller.stats import TransportStats
-from vapo_async.transport.messages import Lease, RolloutGroup, WeightAnnouncement
+from vapo_async.controller.state import ControllerState, Outgoing, PromptLike, ReadChunk
+from vapo_async.transport.messages import (
+    Chunk,
+    ErrorReply,
+    MessageError,
+    RolloutGroup,
+    WeightAnnouncement,
+    decode_from_generator,
+)
 from vapo_async.transport.sockets import ServerSockets
+from vapo_async.transport.weights import WeightsError, read_chunk
 
 log = logging.getLogger("vapo_async.controller")
-STATE_FORMAT = 1
+_BURST = 256
+"""Messages handled in a row before deadlines, credit and announcements get a turn."""
 
 
-class PromptLike(Protocol):
-    """What the controller needs of a prompt record (``vapo_async.data.PromptRecord``)."""
-
-    prompt: str
-    answer: str
-
-
-class Controller(Handlers):
-    """Leases prompts to generators under the eta admission rule and collects their groups."""
+class Controller:
+    """The learner's handle on the controller: a ``ControllerState`` served by one socket thread."""
 
     def __init__(self, cfg: ControllerConfig, prompts: Sequence[PromptLike], batch_groups: int, eta: int,
                  vocab_size: int) -> None:
         self.cfg = cfg
-        self.prompts = prompts
-        self.vocab_size = vocab_size
         self.controller_id = uuid.uuid4().hex[:16]
-        self.admission = Admission(batch_groups, eta)
-        self.order = PromptOrder(len(prompts), cfg.seed, cfg.shuffle)
-        self.ledger = Ledger()
-        self.stats = TransportStats(cfg.log_interval_s)
-        self.version = 0
-        self.latest: WeightAnnouncement | None = None
-        self.announcements: OrderedDict[int, WeightAnnouncement] = OrderedDict()
-        self.sessions: dict[bytes, Session] = {}
-        self.by_generator: dict[str, bytes] = {}
-        self.refusals: Counter[str] = Counter()  # weights_refused[/reason] reports of generators
-        self._served = 0  # leases made so far: stamps Session.last_served (fair credit serving)
-        self.buffer: deque[RolloutGroup] = deque()
+        self.state = ControllerState(cfg, prompts, batch_groups, eta, vocab_size, self.controller_id)
         self._to_publish: deque[WeightAnnouncement] = deque()
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
@@ -95,6 +81,7 @@ class Controller(Handlers):
         except BaseException:
             self._ctx.term()
             raise
+        self.state.pub_endpoint = self._sockets.pub_endpoint
         wake_addr = f"inproc://controller-wake-{self.controller_id}"
         self._wake_rx = self._ctx.socket(zmq.PAIR)
         self._wake_rx.bind(wake_addr)
@@ -137,42 +124,41 @@ class Controller(Handlers):
         assert self._sockets is not None, "start() first"
         return self._sockets.pub_endpoint
 
+    @property
+    def version(self) -> int:
+        """The latest announced policy version."""
+        return self.state.version
+
     # ---- learner API ----
 
     def next_batch(self, n_groups: int, timeout_s: float | None = None) -> list[RolloutGroup]:
         """The next ``n_groups`` received groups (arrival order). Raises ``TimeoutError`` after
         ``timeout_s`` (None = wait forever) and re-raises a failure of the controller thread."""
-        if not 1 <= n_groups <= self.admission.max_batch():
+        if not 1 <= n_groups <= self.state.admission.max_batch():
             raise ValueError(f"n_groups={n_groups} can never be admitted: at most (eta + 1) * B = "
-                             f"{self.admission.max_batch()} groups are in flight")
+                             f"{self.state.admission.max_batch()} groups are in flight")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
             while True:
                 self._raise_if_failed()
-                if len(self.buffer) >= n_groups:
-                    break
+                if len(self.state.buffer) >= n_groups:
+                    return self.state.take_batch(n_groups)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"next_batch({n_groups}) timed out after {timeout_s} s: {self._describe()}")
+                    raise TimeoutError(f"next_batch({n_groups}) timed out after {timeout_s} s: "
+                                       f"{self.state.describe()}")
                 self._cv.wait(1.0 if left is None else min(left, 1.0))
-            groups = [self.buffer.popleft() for _ in range(n_groups)]
-            for g in groups:
-                self.ledger.consume(g.admission_index)
-        return groups
 
     def mark_trained(self, groups: Sequence[RolloutGroup]) -> None:
         """The learner trained on ``groups`` (from ``next_batch``); each exactly once, or it raises."""
         with self._lock:
-            for g in groups:
-                self.ledger.finish(g.admission_index, trained=True)
+            self.state.mark_trained(groups)
 
     def mark_dropped(self, groups: Sequence[RolloutGroup]) -> None:
         """The learner consumed ``groups`` without training on them (dynamic sampling); their
         admission slots are released so replacements can be admitted."""
         with self._lock:
-            for g in groups:
-                self.ledger.finish(g.admission_index, trained=False)
-            self.admission.release(len(groups))
+            self.state.mark_dropped(groups)
         self._wake()
 
     def step_done(self, ann: WeightAnnouncement | None = None) -> None:
@@ -183,90 +169,38 @@ class Controller(Handlers):
         of every trained token <= eta versions. Calling ``step_done()`` before the announcement
         lets generators start those slots on the previous version (staleness up to eta + 1)."""
         with self._lock:
+            self.state.step_done(ann)
             if ann is not None:
-                self._announce_locked(ann)
-            self.admission.steps_done += 1
+                self._to_publish.append(ann)
         self._wake()
 
     def announce(self, ann: WeightAnnouncement) -> None:
         """A new policy version was published: leases now require it; PUB tells generators."""
         with self._lock:
-            self._announce_locked(ann)
+            self.state.announce(ann)
+            self._to_publish.append(ann)
         self._wake()
-
-    def _announce_locked(self, ann: WeightAnnouncement) -> None:
-        if ann.version <= self.version and self.latest is not None:
-            raise ValueError(f"announced version {ann.version} is not newer than {self.version}")
-        self.version = ann.version
-        self.latest = ann
-        self.announcements[ann.version] = ann
-        while len(self.announcements) > self.cfg.keep_announcements:
-            self.announcements.popitem(last=False)
-        self._to_publish.append(ann)
 
     def metrics(self) -> dict[str, float]:
         """Counters and gauges for TensorBoard (``controller/*``, ``transport/*``)."""
         with self._lock:
-            states = self.ledger.state_counts()
-            out = {f"controller/{k}": float(v) for k, v in self.ledger.counts.items()}
-            out.update({f"controller/{s}": float(states[s]) for s in ("pending", "leased", "buffered", "consumed")})
-            out.update({
-                "controller/version": float(self.version),
-                "controller/steps_done": float(self.admission.steps_done),
-                "controller/admission_capacity": float(self.admission.capacity()),
-                "controller/generators": float(len(self.sessions)),
-                "controller/epoch": float(self.order.epoch),
-            })
-            out.update({f"controller/{k}": float(v) for k, v in self.refusals.items()})
-            out.update(self.stats.metrics())
-        return out
+            return self.state.metrics()
 
     def accounting(self) -> dict[str, Any]:
-        """Exactly-once audit: counters, item states, and the done set (watermark + sparse ids).
-        ``issued`` = distinct items admitted; at quiescence issued == trained + dropped."""
+        """Exactly-once audit (``ControllerState.accounting``)."""
         with self._lock:
-            self.ledger.check(self.admission.admitted)
-            states = self.ledger.state_counts()
-            return {
-                **{k: int(v) for k, v in self.ledger.counts.items()},
-                "admitted": self.admission.admitted,
-                **{s: states[s] for s in ("pending", "leased", "buffered", "consumed")},
-                "done_watermark": self.ledger.done_watermark,
-                "done_above": sorted(self.ledger.done_above),
-            }
+            return self.state.accounting()
 
     def state_dict(self) -> dict[str, Any]:
         """msgpack/JSON-safe state for the learner checkpoint."""
         with self._lock:
-            return {
-                "format": STATE_FORMAT,
-                "version": self.version,
-                "latest": self.latest.to_header() if self.latest else None,
-                "admission": self.admission.state_dict(),
-                "order": self.order.state_dict(),
-                "ledger": self.ledger.state_dict(),
-                "rejected": dict(self.stats.rejected),
-            }
+            return self.state.state_dict()
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        """Restore before ``start()``: cursor, counters, version; in-flight prompts of the saved
-        run (leased, buffered, handed to the learner but untrained) are re-issued first."""
+        """Restore before ``start()`` (``ControllerState.load_state_dict``)."""
         if self._thread is not None:
             raise RuntimeError("load_state_dict must be called before start()")
-        if d.get("format") != STATE_FORMAT:
-            raise ValueError(f"controller state format {d.get('format')!r} != {STATE_FORMAT}")
-        self.admission.load_state_dict(d["admission"])
-        self.order.load_state_dict(d["order"])
-        self.ledger.load_state_dict(d["ledger"])
-        self.version = int(d["version"])
-        latest = d["latest"]
-        self.latest = None if latest is None else WeightAnnouncement(
-            int(latest["version"]), str(latest["path"]), str(latest["checksum"]), int(latest["bytes"]),
-            tuple(latest["files"]))
-        if self.latest is not None:
-            self.announcements[self.latest.version] = self.latest
-        self.stats.rejected.update({str(k): int(v) for k, v in d["rejected"].items()})
-        self.buffer.clear()
+        self.state.load_state_dict(d)
 
     # ---- thread ----
 
@@ -285,14 +219,6 @@ class Controller(Handlers):
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("controller is not running (start() it first)")
 
-    def _describe(self) -> str:
-        states = self.ledger.state_counts()
-        return (f"{len(self.sessions)} generators, buffered {len(self.buffer)}, leased {states['leased']}, "
-                f"pending {states['pending']}, admission capacity {self.admission.capacity()}, "
-                f"steps_done {self.admission.steps_done}, version {self.version}"
-                + "".join(f", {s.generator_id} refused weights version {s.refused_version}"
-                          for s in self.sessions.values() if s.refused_version is not None))
-
     def _run(self) -> None:
         try:
             self._loop()
@@ -304,7 +230,7 @@ class Controller(Handlers):
 
     def _loop(self) -> None:
         assert self._sockets is not None
-        router, pub = self._sockets.router, self._sockets.pub
+        router = self._sockets.router
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
@@ -315,84 +241,78 @@ class Controller(Handlers):
             if events.get(self._wake_rx):
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()
-            for _ in range(256):  # bounded burst, then deadlines and credits get a turn
+            for _ in range(_BURST):
                 if not router.poll(0):
                     break
-                self._handle(router.recv_multipart(copy=False))
+                self._receive(router.recv_multipart(copy=False))
+            next_republish = self._publish(next_republish)
             with self._lock:
-                announcements = list(self._to_publish)
-                self._to_publish.clear()
-                if not announcements and self.latest is not None and time.monotonic() > next_republish:
-                    announcements = [self.latest]  # for subscribers that joined after it was sent
-            for ann in announcements:
-                pub.send_multipart(ann.to_frames())
-                next_republish = time.monotonic() + self.cfg.republish_s
-            self._housekeeping(time.monotonic())
+                out = self.state.tick(time.monotonic())
+            self._send_all(out)
 
-    def _housekeeping(self, now: float) -> None:
-        with self._lock:
-            for lease in self.ledger.leases.values():
-                if lease.active and (lease.deadline < now or lease.hard_deadline < now):
-                    session = self.sessions.get(lease.owner)
-                    if session is not None:
-                        session.suspended = True  # no new work until it shows progress
-            if self.ledger.expire(now):
-                log.info("re-issuing expired leases: %s", self._describe())
-            self._drop_idle_sessions(now)
-            out = self._serve_credits(now)
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        """Decode outside the lock, change the state under it, send the replies after it."""
+        sender, body = frames[0].bytes, frames[1:]
+        try:
+            msg = decode_from_generator(body, self.cfg.transport.limits, vocab_size=self.state.vocab_size,
+                                        max_version=self.state.version)
+        except MessageError as e:
+            with self._lock:
+                self._count_in(body)
+                out = self.state.undecodable(sender, e.reason, e.detail, time.monotonic())
+        else:
+            with self._lock:
+                self._count_in(body)
+                out = self.state.handle(sender, msg, time.monotonic())
+                if isinstance(msg, RolloutGroup):
+                    self._cv.notify_all()  # a group may complete the learner's batch
         self._send_all(out)
 
-    def _drop_idle_sessions(self, now: float) -> None:
-        idle = [ident for ident, s in self.sessions.items()
-                if now - s.last_seen > self.cfg.resolved_session_timeout_s() and not self.ledger.by_owner.get(ident)]
-        for ident in idle:
-            self._forget_session(ident)
+    def _count_in(self, body: list[zmq.Frame]) -> None:
+        self.state.stats.counts["messages_in"] += 1
+        self.state.stats.counts["bytes_in"] += sum(len(f) for f in body)
 
-    def _serve_credits(self, now: float) -> list[Outgoing]:
-        """Grant credit fairly: each pass splits the supply (re-issuable pending items plus
-        admission capacity) evenly among the sessions that want work; the remainder goes to the
-        least recently served. Passes repeat while leases are made, so sessions that wanted less
-        than their share leave the rest to the others and credit is filled when supply allows."""
-        out: list[Outgoing] = []
-        while True:
-            ready = sorted((s for s in self.sessions.values() if s.wanted > 0 and not s.suspended),
-                           key=lambda s: s.last_served)  # stable: ties keep session order
-            supply = len(self.ledger.pending) + self.admission.capacity()
-            if not ready or supply == 0:
-                return out
-            share, extra = divmod(supply, len(ready))
-            # the ``extra`` sessions that get one more are served (stamped) last, so the next split
-            # hands its remainder to the others: over many rounds shares differ by at most one chunk
-            plan = [(s, share) for s in ready[extra:]] + [(s, share + 1) for s in ready[:extra]]
-            progress = False
-            for s, chunk in plan:
-                if chunk > 0 and (lease := self._make_lease(s, now, chunk)) is not None:
-                    out.append((s.ident, lease.to_frames(), lease.lease_id))
-                    progress = True
-            if not progress:
-                return out
+    def _publish(self, next_republish: float) -> float:
+        """Send new announcements on PUB, or re-send the latest every ``republish_s`` (PUB drops
+        while a SUB is connecting); returns the next re-send time."""
+        assert self._sockets is not None
+        with self._lock:
+            announcements = list(self._to_publish)
+            self._to_publish.clear()
+            if not announcements and self.state.latest is not None and time.monotonic() > next_republish:
+                announcements = [self.state.latest]  # for subscribers that joined after it was sent
+        for ann in announcements:
+            self._sockets.pub.send_multipart(ann.to_frames())
+            next_republish = time.monotonic() + self.cfg.republish_s
+        return next_republish
 
-    def _make_lease(self, s: Session, now: float, chunk: int) -> Lease | None:
-        n = min(s.wanted, s.max_prompts, self.cfg.max_lease_prompts, chunk)
-        items = self.ledger.take_pending(n, set())
-        prompts = {self.ledger.prompt[i] for i in items}
-        while len(items) < n and self.admission.capacity() > 0 and self.order.peek() not in prompts:
-            index = self.order.next()
-            item = self.admission.admit()
-            self.ledger.add(item, index, queue=False)
-            items.append(item)
-            prompts.add(index)
-        if not items:
-            return None
-        rec = self.ledger.open_lease(s.ident, items, now, self.cfg.lease_timeout_s, self.cfg.lease_max_s,
-                                     self.version)
-        s.wanted -= len(items)
-        self._served += 1
-        s.last_served = self._served
-        return self._lease_message(rec.lease_id, rec.items)
+    def _send_all(self, out: list[Outgoing]) -> None:
+        assert self._sockets is not None
+        router = self._sockets.router
+        for o in out:
+            try:
+                router.send_multipart([o.to, *self._frames(o)], flags=zmq.NOBLOCK, copy=False)
+                continue
+            except zmq.Again:
+                unroutable = False
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
+                unroutable = True
+            with self._lock:
+                self.state.undelivered(o, unroutable)
 
-    def weights_root(self) -> str:
-        """The trusted weights root told to generators."""
-        if self.cfg.weights_root:
-            return self.cfg.weights_root
-        return str(Path(self.latest.path).parent) if self.latest else ""
+    def _frames(self, o: Outgoing) -> list:
+        """Wire frames of ``o``; a ``ReadChunk`` is read from the weights files here, off the lock."""
+        if not isinstance(o.msg, ReadChunk):
+            return o.msg.to_frames()
+        ann, f = o.msg.ann, o.msg.fetch
+        try:
+            data, size = read_chunk(ann, f.file, f.offset, f.length)
+        except WeightsError as e:
+            with self._lock:
+                self.state.stats.counts["fetch_errors"] += 1
+            return ErrorReply(e.reason, str(e)).to_frames()
+        with self._lock:
+            self.state.stats.counts["fetch_bytes"] += len(data)
+        return Chunk(f.version, f.file, f.offset, size, data).to_frames()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 
 log = logging.getLogger("vapo_async.controller")
@@ -20,10 +19,9 @@ class TransportStats:
         self._last_log: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
 
-    def reject(self, reason: str, sender: str, detail: str) -> None:
-        """Count one rejected message and maybe log it."""
+    def reject(self, reason: str, sender: str, detail: str, now: float) -> None:
+        """Count one rejected message and maybe log it (``now``: the caller's monotonic clock)."""
         self.rejected[reason] += 1
-        now = time.monotonic()
         if now - self._last_log.get(reason, -1e18) < self.log_interval_s:
             self._suppressed[reason] += 1
             return
