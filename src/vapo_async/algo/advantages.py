@@ -10,8 +10,8 @@ Deliberate departures from the papers (each a documented choice where the paper 
   treated as if its valid tokens were adjacent (the value after a valid token is that of the next
   valid token, 0 after the last). Its outputs carry no gradient (advantages and returns are
   constants in PPO), and it computes in float32 at least (bfloat16/float16 inputs are upcast).
-  Two implementations, equal up to rounding: on CPU with numba installed, a compiled one-pass loop
-  (``vapo_async.algo.gae_cpu``); elsewhere (GPU, no numba) the blocked matmul scan below.
+  Fast paths in ``vapo_async.algo.fast`` (numba on CPU, the blocked scan elsewhere) compute the
+  same recurrence in a different order of operations: equal up to rounding (tests/algo).
 - ``group_advantages`` uses the unbiased (Bessel) standard deviation like the common GRPO code,
   returns exactly 0 for a group whose rewards are all equal (the formula is 0/0 there) and 0 for
   G = 1 (no group to compare with).
@@ -19,15 +19,9 @@ Deliberate departures from the papers (each a documented choice where the paper 
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-from vapo_async.algo import gae_cpu
-from vapo_async.algo.scan import DEFAULT_CHUNK, reverse_scan
-
-BLOCK_ELEMS = 1 << 19
-"""Rows are processed in blocks of about this many elements so intermediates stay in cache."""
+from vapo_async.algo.fast import Backend, check_gae_inputs, compute_dtype, gae_fast, lambda_tensor, outputs
 
 
 def length_adaptive_lambda(
@@ -80,118 +74,6 @@ def place_terminal_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Te
     return out
 
 
-def _check_gae_inputs(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float) -> None:
-    if rewards.dim() != 2 or rewards.shape != values.shape or rewards.shape != mask.shape:
-        raise ValueError(
-            f"gae: rewards, values and mask must all be (B, T); got {tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}"
-        )
-    if not (rewards.is_floating_point() and values.is_floating_point()):
-        raise ValueError(f"gae: rewards and values must be floating point, got {rewards.dtype} and {values.dtype}")
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gae: gamma must be in [0, 1], got {gamma}")
-
-
-def _lambda_tensor(lam: float | torch.Tensor, b: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(B,) lambdas from a float or a (B,) tensor, checked to lie in [0, 1]."""
-    if isinstance(lam, torch.Tensor):
-        if lam.shape != (b,):
-            raise ValueError(f"gae: lam must be a float or a (B,) = ({b},) tensor, got shape {tuple(lam.shape)}")
-        lam_t = lam.detach().to(device=device, dtype=dtype)
-    else:
-        lam_t = torch.full((b,), float(lam), dtype=dtype, device=device)
-    if b and not bool(((lam_t >= 0) & (lam_t <= 1)).all()):
-        raise ValueError(f"gae: every lambda must be in [0, 1], got min {lam_t.min().item()} max {lam_t.max().item()}")
-    return lam_t
-
-
-class _Workspace:
-    """Buffers reused by every row block of one ``gae`` call (fresh large tensors cost page faults)."""
-
-    def __init__(self, rows: int, t: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.itype = torch.int32 if dtype == torch.float32 else torch.int64
-        self.pad = (-t) % DEFAULT_CHUNK if t > DEFAULT_CHUNK else 0
-        self.delta = torch.zeros(rows, t + self.pad, dtype=dtype, device=device)  # front pad stays 0
-        self.scan = torch.empty_like(self.delta)
-        self.values = torch.empty(rows, t, dtype=dtype, device=device)
-        self.keep = torch.empty(rows, t, dtype=self.itype, device=device)
-
-
-def _gae_rows(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    x: torch.Tensor,
-    gamma: float,
-    adv_out: torch.Tensor,
-    ret_out: torch.Tensor,
-    ws: _Workspace,
-) -> None:
-    """GAE on a block of b rows, written into adv_out / ret_out.
-
-    Args:
-        rewards, values: (b, T) in the compute dtype (float32/float64).
-        valid: (b, T) uint8 0/1 mask.
-        x: (b,) gamma * lambda per row.
-        adv_out, ret_out: (b, T) contiguous outputs in the compute dtype.
-        ws: buffers with at least b rows.
-    """
-    b = rewards.shape[0]
-    it = ws.itype
-    # keep = -1 (all bits set) on valid tokens, 0 on padding. AND-ing a float's bits with it is a
-    # bit-exact, NaN-proof masked select: valid values pass unchanged (NaN/inf in valid tokens still
-    # show), padding becomes +0.0 whatever it held. (torch.where is a scalar kernel on CPU, ~10x slower.)
-    keep = ws.keep[:b]
-    keep.copy_(torch.neg(valid.view(torch.int8)))  # int8 -1 sign-extends to all ones
-    vs = ws.values[:b]
-    torch.bitwise_and(values.view(it), keep, out=vs.view(it))
-    delta = ws.delta[:b, ws.pad :]
-    torch.bitwise_and(rewards.view(it), keep, out=delta.view(it))
-    # TD residual delta_t = r_t + gamma * V_{t+1} - V_t (PAPER.md "Decoupled GAE"); V after the last
-    # valid token is 0 because padding was zeroed, which also makes delta 0 on right padding.
-    delta.sub_(vs)
-    delta[:, :-1].add_(vs[:, 1:], alpha=gamma)
-    # A valid token right after an invalid one (a "rise") means left padding or a gap somewhere.
-    rise = torch.gt(valid[:, 1:], valid[:, :-1])
-    prefix_only = not bool(rise.any())
-    # A_t = delta_t + gamma * lambda * A_{t+1} (blocked matmul scan). Tokens before a row's first
-    # valid one never feed valid ones (the scan runs backwards); they are masked out below. When
-    # every row's valid tokens are a prefix (right padding) no output mask is needed: delta is 0
-    # after the prefix and nothing flows backwards into it, so A is exactly 0 there.
-    if prefix_only and ws.pad == 0:
-        reverse_scan(delta, x, out=adv_out)
-    else:
-        scan = reverse_scan(ws.delta[:b], x, out=ws.scan[:b])[:, ws.pad :]
-        torch.bitwise_and(scan.view(it), keep, out=adv_out.view(it))
-    torch.add(adv_out, vs, out=ret_out)  # returns = A + V on valid tokens, 0 + 0 on padding
-    if not prefix_only:
-        # A row with several runs of valid tokens is redone on its valid tokens moved together.
-        runs = rise.view(torch.uint8).sum(dim=1, dtype=torch.int32) + valid[:, 0]
-        gapped = (runs > 1).nonzero().squeeze(1)
-        if gapped.numel():
-            _gae_gapped_rows(rewards[gapped], values[gapped], valid[gapped], x[gapped], gamma, adv_out, ret_out, gapped)
-
-
-def _gae_gapped_rows(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    x: torch.Tensor,
-    gamma: float,
-    adv_out: torch.Tensor,
-    ret_out: torch.Tensor,
-    rows: torch.Tensor,
-) -> None:
-    """Rows whose mask has gaps: move valid tokens to the front (order kept), solve, scatter back."""
-    order = torch.sort(valid, dim=1, descending=True, stable=True).indices  # (g, T)
-    r_p, v_p, m_p = (torch.gather(a, 1, order) for a in (rewards, values, valid))
-    adv_p = torch.empty_like(r_p)
-    ret_p = torch.empty_like(r_p)
-    g, t = r_p.shape
-    _gae_rows(r_p, v_p, m_p, x, gamma, adv_p, ret_p, _Workspace(g, t, r_p.dtype, r_p.device))
-    adv_out[rows] = torch.zeros_like(adv_p).scatter_(1, order, adv_p)
-    ret_out[rows] = torch.zeros_like(ret_p).scatter_(1, order, ret_p)
-
-
 def gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -200,92 +82,49 @@ def gae(
     lam: float | torch.Tensor,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    backend: Literal["auto", "compiled", "torch"] = "auto",
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation with a per-response lambda (VAPO sections 3.1-3.2).
+    """Generalised advantage estimation with a per-response lambda (PAPER.md "Decoupled GAE").
 
-    delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lambda * A_{t+1},
-    returns_t = A_t + V_t, run over the valid tokens of each row (V and A are 0 past the last one).
     Decoupled GAE calls this twice: lambda_critic = 1.0 for the critic's returns and lambda_policy
-    (a float or the length-adaptive per-row tensor, eq. 5) for the policy's advantages.
-
-    Two implementations (``backend``): "compiled", the recurrence as written walked once per row in
-    numba-compiled code (``vapo_async.algo.gae_cpu``; CPU only, one pass over memory), and
-    "torch", a blocked matmul scan (``vapo_async.algo.scan``) with no Python loop over T, for any
-    device. "auto" takes "compiled" for CPU tensors when numba is installed, else "torch".
+    (a float, or the length-adaptive (B,) tensor of eq. 5) for the policy's advantages. The body
+    below is the recurrence; ``backend`` "auto" (default), "compiled" (numba, CPU) or "torch"
+    (blocked scan, any device) hands the same computation to ``vapo_async.algo.fast``, proven equal
+    by tests/algo/test_gae_fast_paths.py; "reference" runs the loop below.
 
     Args:
         rewards: (B, T) token rewards r_t (verifier setting: the score on the last valid token).
         values: (B, T) critic values V_t.
-        mask: (B, T) nonzero on valid tokens. Responses may sit anywhere in T (left or right
-            padding, even gaps); padding may hold anything, NaN included, and never reaches a
-            valid output.
+        mask: (B, T) nonzero on valid tokens, anywhere in T (left/right padding, gaps); padding
+            may hold anything, NaN included, and never reaches a valid output.
         gamma: discount in [0, 1] (the papers use 1.0).
         lam: a float in [0, 1] or a (B,) tensor of per-response lambdas in [0, 1].
-        out: optional preallocated contiguous (B, T) (advantages, returns) buffers in float32 or
-            float64 (the compute dtype) to write into, e.g. reused across calls: fresh
-            multi-megabyte outputs cost a page fault per 4 KiB on first touch.
-        backend: "auto", "compiled" (raises unless the tensors are on CPU and numba is installed)
-            or "torch" (see above).
+        out: optional contiguous (B, T) float32/float64 (advantages, returns) buffers to fill.
+        backend: see above.
 
     Returns:
-        (advantages, returns), both (B, T) in the promoted dtype of rewards and values (the
-        ``out`` buffers when given), 0 on padding, without gradient.
+        (advantages, returns), (B, T) in the promoted dtype of rewards and values (the ``out``
+        buffers when given), 0 on padding, without gradient.
     """
-    _check_gae_inputs(rewards, values, mask, gamma)
-    b, t = rewards.shape
-    out_dtype = torch.promote_types(rewards.dtype, values.dtype)
-    cdtype = torch.float64 if out_dtype == torch.float64 else torch.float32
-    x = gamma * _lambda_tensor(lam, b, cdtype, rewards.device)
-    valid = mask.view(torch.uint8) if mask.dtype == torch.bool else (mask != 0).view(torch.uint8)
-    adv, ret = _outputs(out, b, t, cdtype, rewards.device)
-    if _use_compiled(backend, rewards.device):
-        to_c = (t_.detach().to(cdtype).contiguous() for t_ in (rewards, values))
-        gae_cpu.gae_rows_compiled(*to_c, valid.contiguous(), x, gamma, adv, ret)
-    elif b and t:
-        rows = min(b, max(1, BLOCK_ELEMS // t))
-        ws = _Workspace(rows, t, cdtype, rewards.device)
-        with torch.no_grad():
-            for s in range(0, b, rows):
-                e = min(b, s + rows)
-                _gae_rows(
-                    rewards[s:e].to(cdtype).contiguous(),
-                    values[s:e].to(cdtype).contiguous(),
-                    valid[s:e].contiguous(),
-                    x[s:e],
-                    gamma,
-                    adv[s:e],
-                    ret[s:e],
-                    ws,
-                )
-    if out is not None:
-        return adv, ret
-    return adv.to(out_dtype), ret.to(out_dtype)
-
-
-def _use_compiled(backend: str, device: torch.device) -> bool:
-    """Whether ``gae`` takes the compiled CPU path (see its ``backend`` argument)."""
-    if backend == "torch":
-        return False
-    if backend == "auto":
-        return device.type == "cpu" and gae_cpu.numba_available()
-    if backend != "compiled":
-        raise ValueError(f"gae: backend must be 'auto', 'compiled' or 'torch', got {backend!r}")
-    if device.type != "cpu" or not gae_cpu.numba_available():
-        raise ValueError(f"gae: backend='compiled' needs CPU tensors and numba installed (device {device}, numba installed: {gae_cpu.numba_available()})")
-    return True
-
-
-def _outputs(
-    out: tuple[torch.Tensor, torch.Tensor] | None, b: int, t: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (advantages, returns) buffers: the caller's (checked) or new ones."""
-    if out is None:
-        return torch.empty(b, t, dtype=dtype, device=device), torch.empty(b, t, dtype=dtype, device=device)
-    for buf in out:
-        if buf.shape != (b, t) or buf.dtype != dtype or not buf.is_contiguous() or buf.device != device:
-            raise ValueError(f"gae: out buffers must be contiguous ({b}, {t}) {dtype} on {device}, got {buf.dtype} {tuple(buf.shape)}")
-    return out
+    if backend != "reference":
+        return gae_fast(rewards, values, mask, gamma, lam, out, backend)
+    check_gae_inputs(rewards, values, mask, gamma)
+    (b, t), (out_dtype, cdtype) = rewards.shape, compute_dtype(rewards, values)
+    valid = mask != 0  # (B, T)
+    r = torch.where(valid, rewards.detach().to(cdtype), 0.0)  # (B, T), padding zeroed (even NaN)
+    v = torch.where(valid, values.detach().to(cdtype), 0.0)  # (B, T)
+    x = gamma * lambda_tensor(lam, b, cdtype, rewards.device)  # (B,) gamma * lambda_i
+    adv, ret = outputs(out, b, t, cdtype, rewards.device)
+    a_next = torch.zeros(b, dtype=cdtype, device=rewards.device)  # (B,) A_{t+1}, 0 after the last token
+    v_next = torch.zeros_like(a_next)  # (B,) V_{t+1}, 0 after the last token
+    for j in reversed(range(t)):
+        delta = (r[:, j] - v[:, j]) + gamma * v_next  # delta_t = r_t + gamma * V_{t+1} - V_t
+        a = delta + x * a_next  # A_t = delta_t + gamma * lambda * A_{t+1}
+        # padding is skipped: the next *valid* token's A and V carry over it
+        a_next, v_next = torch.where(valid[:, j], a, a_next), torch.where(valid[:, j], v[:, j], v_next)
+        adv[:, j] = torch.where(valid[:, j], a, 0.0)
+    torch.add(adv, v, out=ret)  # returns_t = A_t + V_t (the critic's target), 0 on padding
+    return (adv, ret) if out is not None else (adv.to(out_dtype), ret.to(out_dtype))
 
 
 def group_advantages(
