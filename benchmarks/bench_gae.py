@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from vapo_async.algo.fast import numba_gae as gae_cpu
 from vapo_async.algo.advantages import gae, length_adaptive_lambda
+from vapo_async.algo.fast import numba_gae as gae_cpu
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = [(256, 512), (1024, 1024), (4096, 2048), (8192, 4096)]

@@ -7,9 +7,9 @@ Notation used in every shape below (and across the project):
 Equation numbers refer to /shared/PAPER.md (VAPO arXiv 2504.05118, DAPO 2503.14476, AReaL 2505.24298).
 
 Modules:
-    advantages  GAE with per-response lambda (decoupled, length-adaptive), group advantages,
-                terminal-reward placement
-    scan        the blocked matmul reverse scan under GAE (no Python loop over T)
+    advantages  GAE as the recurrence (per-response lambda: decoupled, length-adaptive), group
+                advantages, terminal-reward placement
+    fast        GAE's fast paths (numba on CPU, blocked matmul scan on GPU) and their dispatcher
     losses      decoupled PPO policy loss with clip-higher and behaviour-weight cap, value loss,
                 positive-example NLL, DAPO overlong penalty
     stats       masked mean / variance / whitening, explained variance, log-probs and entropy

@@ -21,7 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from vapo_async.algo.fast import Backend, check_gae_inputs, compute_dtype, gae_fast, lambda_tensor, outputs
+from vapo_async.algo.fast import (
+    Backend,
+    check_gae_inputs,
+    compute_dtype,
+    gae_fast,
+    lambda_tensor,
+    outputs,
+)
 
 
 def length_adaptive_lambda(
