@@ -1,4 +1,9 @@
-"""Advantage estimators: GAE (decoupled, length-adaptive) and group-normalised (GRPO/DAPO).
+"""Advantages in one place: GAE (decoupled, length-adaptive), group-normalised (GRPO/DAPO), DAPO shaping.
+
+``advantages_and_returns`` goes from a batch of scored responses (+ critic values) to advantages
+and returns; the learner calls its two halves, ``score_responses`` (rank 0, whole groups) and
+``token_advantages`` (per micro-batch, after the values are recomputed). ``gae`` is the recurrence
+as PAPER.md writes it; its fast paths live in ``vapo_async.algo.fast``.
 
 Notation (see ``vapo_async.algo``): B responses, T padded length, G samples per prompt,
 L_i valid tokens of response i; ``mask[i, t]`` is nonzero on the tokens that count.
@@ -12,12 +17,17 @@ Deliberate departures from the papers (each a documented choice where the paper 
   constants in PPO), and it computes in float32 at least (bfloat16/float16 inputs are upcast).
   Fast paths in ``vapo_async.algo.fast`` (numba on CPU, the blocked scan elsewhere) compute the
   same recurrence in a different order of operations: equal up to rounding (tests/algo).
+- ``overlong_penalty`` with ``cache_len = 0`` is a hard -1 above ``max_len`` (DAPO's middle band
+  is empty then).
 - ``group_advantages`` uses the unbiased (Bessel) standard deviation like the common GRPO code,
   returns exactly 0 for a group whose rewards are all equal (the formula is 0/0 there) and 0 for
   G = 1 (no group to compare with).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -164,3 +174,151 @@ def group_advantages(
         centred = centred / (r.std(dim=1, keepdim=True) + eps)
     flat = (r.amax(dim=1, keepdim=True) - r.amin(dim=1, keepdim=True)) == 0
     return torch.where(flat, torch.zeros_like(centred), centred).view(-1).to(rewards.dtype)
+
+
+def overlong_penalty(
+    lengths: torch.Tensor, max_len: int, cache_len: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """DAPO soft overlong punishment R_len(|y|) (PAPER.md, DAPO bullet), added to the correctness reward.
+
+    R_len(L) = 0 for L <= max_len - cache_len; ((max_len - cache_len) - L) / cache_len up to
+    max_len (linear from 0 to -1); -1 beyond max_len. The one implementation: the learner's
+    shaping (``score_responses``) and the scalar reward-side ``vapo_async.rewards.overlong_penalty``
+    both call it. Computed in float64 (exact for these integer ratios), returned in ``dtype``.
+
+    Args:
+        lengths: (B,) integer response lengths |y|.
+        max_len: L_max > 0.
+        cache_len: L_cache in [0, max_len].
+        dtype: floating dtype of the result.
+
+    Returns:
+        (B,) penalties in [-1, 0].
+    """
+    if max_len <= 0 or not 0 <= cache_len <= max_len:
+        raise ValueError(f"overlong_penalty: need max_len > 0 and 0 <= cache_len <= max_len, got {max_len}, {cache_len}")
+    if lengths.dim() != 1 or lengths.is_floating_point():
+        raise ValueError(f"overlong_penalty: lengths must be a (B,) integer tensor, got {lengths.dtype} {tuple(lengths.shape)}")
+    length = lengths.to(torch.float64)
+    soft_start = float(max_len - cache_len)
+    ramp = (soft_start - length) / max(cache_len, 1)  # cache_len = 0: the ramp is never used
+    out = torch.where(length <= soft_start, torch.zeros_like(length), ramp)
+    return torch.where(length > max_len, torch.full_like(length, -1.0), out).to(dtype)
+
+
+@dataclass(frozen=True)
+class GaeLambdas:
+    """The lambda of each GAE pass (PAPER.md: decoupled GAE, length-adaptive GAE eq. 5)."""
+
+    policy: float = 0.95
+    """lambda_policy of every response when ``alpha`` is None."""
+    critic: float | None = 1.0
+    """lambda_critic (decoupled GAE); None = coupled: the critic uses the policy's lambdas."""
+    alpha: float | None = 0.05
+    """Length-adaptive constant: lambda_policy(L) = 1 - 1/(alpha L) clamped at 0; None = fixed."""
+
+    def policy_lambdas(self, lengths: torch.Tensor) -> torch.Tensor:
+        """(B,) float32 policy lambdas for (B,) integer response lengths."""
+        if self.alpha is not None:
+            return length_adaptive_lambda(lengths, self.alpha)
+        return torch.full(lengths.shape, self.policy, dtype=torch.float32, device=lengths.device)
+
+    def critic_lambdas(self, lengths: torch.Tensor) -> torch.Tensor:
+        """(B,) float32 critic lambdas for (B,) integer response lengths."""
+        if self.critic is None:
+            return self.policy_lambdas(lengths)
+        return torch.full(lengths.shape, self.critic, dtype=torch.float32, device=lengths.device)
+
+
+def score_responses(
+    scores: torch.Tensor, lengths: torch.Tensor, *, group_size: int | None, overlong: tuple[int, int] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence-level half of ``advantages_and_returns``: shaped rewards and group advantages.
+
+    Needs whole groups (rows [k*G, (k+1)*G) share a prompt), so the learner runs it on rank 0
+    before the batch is split across ranks.
+
+    Args:
+        scores: (B,) float verifier rewards R_i.
+        lengths: (B,) integer response lengths L_i.
+        group_size: G for the group-normalised advantage (GRPO/DAPO); None: no group advantage.
+        overlong: (L_max, L_cache) of DAPO's soft overlong punishment, or None.
+
+    Returns:
+        rewards (B,) = R_i + R_len(L_i) (DAPO eq. 13; R_i without shaping), dtype of ``scores``;
+        seq_adv (B,) = (R_i - mean_group) / (std_group + eps) on those rewards, or zeros.
+    """
+    rewards = scores
+    if overlong is not None and scores.numel():
+        rewards = scores + overlong_penalty(lengths, *overlong, dtype=scores.dtype)
+    if group_size is None or not scores.numel():
+        return rewards, torch.zeros_like(rewards)
+    return rewards, group_advantages(rewards, group_size)
+
+
+def token_advantages(
+    rewards: torch.Tensor,
+    seq_adv: torch.Tensor,
+    lengths: torch.Tensor,
+    mask: torch.Tensor,
+    values: torch.Tensor | None,
+    *,
+    estimator: Literal["gae", "group"],
+    gamma: float,
+    lambdas: GaeLambdas,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The token-level half of ``advantages_and_returns``: any subset of rows (one micro-batch).
+
+    "gae" (VAPO, PPO): the reward on the last valid token, then decoupled GAE: the critic's
+    returns with lambda_critic, the policy's advantages with lambda_policy (eq. 5 per response).
+    "group" (GRPO, DAPO): the sequence advantage on every valid token; no returns.
+
+    Args:
+        rewards: (B,) shaped sequence rewards (from ``score_responses``).
+        seq_adv: (B,) sequence advantages (from ``score_responses``; read by "group" only).
+        lengths: (B,) integer response lengths L_i (the length-adaptive lambda's L).
+        mask: (B, T) float, 1 on response tokens.
+        values: (B, T) critic values V_t ("gae"), None for "group".
+        estimator: "gae" or "group".
+        gamma: discount in [0, 1].
+        lambdas: the lambdas of the two GAE passes.
+
+    Returns:
+        advantages (B, T) and returns (B, T) ("gae") or None ("group"), 0 on padding.
+    """
+    if estimator == "group":
+        return seq_adv[:, None] * mask, None
+    if estimator != "gae" or values is None:
+        raise ValueError(f"token_advantages: estimator must be 'gae' (with values) or 'group', got {estimator!r} "
+                         f"with values {'given' if values is not None else 'None'}")
+    token_rewards = place_terminal_rewards(rewards, mask)  # (B, T): R_i on the last token
+    _, returns = gae(token_rewards, values, mask, gamma, lambdas.critic_lambdas(lengths))
+    advantages, _ = gae(token_rewards, values, mask, gamma, lambdas.policy_lambdas(lengths))
+    return advantages, returns
+
+
+def advantages_and_returns(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    mask: torch.Tensor,
+    values: torch.Tensor | None,
+    *,
+    estimator: Literal["gae", "group"],
+    group_size: int | None = None,
+    overlong: tuple[int, int] | None = None,
+    gamma: float = 1.0,
+    lambdas: GaeLambdas,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A batch of scored responses (+ values with a critic) -> (advantages (B, T), returns (B, T) | None).
+
+    DAPO shaping, then the group advantage ("group", G = ``group_size``) or decoupled,
+    length-adaptive GAE ("gae"): ``score_responses`` then ``token_advantages``. The learner runs
+    the two halves apart (the first on rank 0 over whole groups, the second per micro-batch once
+    the values are recomputed); tests/algo/test_advantages_one_place.py proves the split equal to
+    this call. Arguments as in the two halves; ``mask`` (B, T) float, 1 on response tokens.
+    """
+    if estimator == "group" and group_size is None:
+        raise ValueError("advantages_and_returns: estimator 'group' needs group_size")
+    rewards, seq_adv = score_responses(scores, lengths, group_size=group_size if estimator == "group" else None,
+                                       overlong=overlong)
+    return token_advantages(rewards, seq_adv, lengths, mask, values, estimator=estimator, gamma=gamma, lambdas=lambdas)

@@ -1,4 +1,4 @@
-"""Losses: decoupled PPO policy loss with clip-higher, value loss, positive-example NLL, overlong penalty.
+"""Losses: decoupled PPO policy loss with clip-higher, value loss, positive-example NLL, KL and entropy terms.
 
 Notation (see ``vapo_async.algo``): B responses, T padded length. All (B, T) inputs share one mask,
 nonzero on valid tokens; padding may hold anything (NaN, 1e30): it is replaced before any
@@ -15,8 +15,6 @@ Deliberate departures and choices:
 - ``normalizer`` (optional) replaces the denominator (total tokens for "token", total responses
   for "sequence") so that gradient accumulation over micro-batches or ranks reproduces eq. 7 over
   the whole training batch.
-- ``overlong_penalty`` with ``cache_len = 0`` is a hard -1 above ``max_len`` (DAPO's middle band
-  is empty then).
 """
 
 from __future__ import annotations
@@ -249,28 +247,3 @@ def positive_nll_loss(
         raise ValueError(f"positive_nll_loss: positive must be ({mask.shape[0]},), got {tuple(positive.shape)}")
     chosen = valid & positive.to(torch.bool)[:, None]
     return aggregate(-_clean(logp, chosen), chosen, "token", normalizer)
-
-
-def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
-    """DAPO soft overlong punishment (DAPO eq. 13), added to the correctness reward.
-
-    R_len(L) = 0 for L <= max_len - cache_len; ((max_len - cache_len) - L) / cache_len up to
-    max_len (linear from 0 to -1); -1 beyond max_len.
-
-    Args:
-        lengths: (B,) integer response lengths |y|.
-        max_len: L_max > 0.
-        cache_len: L_cache in [0, max_len].
-
-    Returns:
-        (B,) float32 penalties in [-1, 0].
-    """
-    if max_len <= 0 or not 0 <= cache_len <= max_len:
-        raise ValueError(f"overlong_penalty: need max_len > 0 and 0 <= cache_len <= max_len, got {max_len}, {cache_len}")
-    if lengths.dim() != 1 or lengths.is_floating_point():
-        raise ValueError(f"overlong_penalty: lengths must be a (B,) integer tensor, got {lengths.dtype} {tuple(lengths.shape)}")
-    length = lengths.to(torch.float32)
-    soft_start = float(max_len - cache_len)
-    ramp = (soft_start - length) / max(cache_len, 1)
-    out = torch.where(length <= soft_start, torch.zeros_like(length), ramp)
-    return torch.where(length > max_len, torch.full_like(length, -1.0), out)

@@ -26,13 +26,14 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from vapo_async.algo import losses as L
-from vapo_async.algo.advantages import gae, place_terminal_rewards
+from vapo_async.algo.advantages import token_advantages
 from vapo_async.algo.presets import AlgoConfig
 from vapo_async.algo.stats import entropy_from_logits, gather_logprobs, masked_mean
 from vapo_async.learner.batching import MicroBatch, MinibatchNorms
@@ -100,18 +101,10 @@ def recompute(actor: nn.Module, critic: nn.Module | None, mbs: list[MicroBatch],
 def compute_advantages(prep: list[Prepared], algo: AlgoConfig) -> dict[str, float]:
     """Fill ``advantages``/``returns`` of every micro-batch (collective: every rank must call it;
     whitening and the explained variance use all ranks' tokens). Returns statistics."""
-    for p in prep:
-        mask = p.mask
-        if algo.advantage_estimator == "gae":
-            assert p.values is not None
-            rewards = place_terminal_rewards(p.mb.rewards, mask)  # (b, Tr): R_i on the last token
-            lengths = p.mb.response_lens
-            # decoupled GAE (VAPO 3.1): critic targets with lambda_critic, policy with lambda_policy
-            # (per response when length-adaptive, eq. 5)
-            _, p.returns = gae(rewards, p.values, mask, algo.gamma, algo.critic_lambda(lengths))
-            p.advantages, _ = gae(rewards, p.values, mask, algo.gamma, algo.policy_lambda(lengths))
-        else:
-            p.advantages = p.mb.seq_adv[:, None] * mask  # GRPO/DAPO: A_i on every token
+    for p in prep:  # the token-level half of algo's advantages_and_returns (the rest ran on rank 0)
+        p.advantages, p.returns = token_advantages(
+            p.mb.rewards, p.mb.seq_adv, p.mb.response_lens, p.mask, p.values,
+            estimator=_estimator(algo), gamma=algo.gamma, lambdas=algo.gae_lambdas())
     stats = _moments(prep)
     if algo.whiten_advantages and stats["n"] > 0:
         # masked_whiten over the global batch: population variance over all ranks' tokens
@@ -121,6 +114,13 @@ def compute_advantages(prep: list[Prepared], algo: AlgoConfig) -> dict[str, floa
             assert p.advantages is not None
             p.advantages = (p.advantages - mean) / math.sqrt(var + 1e-8) * p.mask
     return _advantage_stats(stats)
+
+
+def _estimator(algo: AlgoConfig) -> Literal["gae", "group"]:
+    """``algo.advantage_estimator`` narrowed to its two values (AlgoConfig.validate checks it)."""
+    if algo.advantage_estimator not in ("gae", "group"):
+        raise ValueError(f"AlgoConfig.advantage_estimator must be 'gae' or 'group', got {algo.advantage_estimator!r}")
+    return "gae" if algo.advantage_estimator == "gae" else "group"
 
 
 def _moments(prep: list[Prepared]) -> dict[str, float]:
