@@ -247,3 +247,55 @@ def positive_nll_loss(
         raise ValueError(f"positive_nll_loss: positive must be ({mask.shape[0]},), got {tuple(positive.shape)}")
     chosen = valid & positive.to(torch.bool)[:, None]
     return aggregate(-_clean(logp, chosen), chosen, "token", normalizer)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref) at the sampled tokens (Schulman, "Approximating
+    KL divergence", 2020; the papers drop the KL term: PAPER.md "Paper is silent on", beta = 0).
+
+    k3 = exp(d) - d - 1 with d = log pi_ref - log pi_theta: >= 0 for every token, 0 where the two
+    policies agree, unbiased for the KL when tokens are sampled from pi_theta.
+
+    Args:
+        logp: (B, T) log pi_theta of the sampled tokens (may require grad).
+        ref_logp: (B, T) log pi_ref of the same tokens.
+        mask: (B, T) nonzero on valid tokens.
+
+    Returns:
+        (B, T) k3 per token, exactly 0 on padding (whatever it held).
+    """
+    valid = _check_tokens("kl_k3", mask, logp=logp, ref_logp=ref_logp)
+    d = _clean(ref_logp, valid) - _clean(logp, valid)  # 0 on padding, so exp(0) - 0 - 1 = 0 there
+    return d.exp() - d - 1.0
+
+
+def kl_penalty(
+    logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, aggregation: str, normalizer: float | None = None
+) -> torch.Tensor:
+    """KL penalty to a frozen reference policy: ``kl_k3`` aggregated like the policy loss.
+
+    Args:
+        logp, ref_logp, mask: as ``kl_k3`` ((B, T) each).
+        aggregation: "token" or "sequence" (see ``aggregate``).
+        normalizer: optional denominator override (see ``aggregate``).
+
+    Returns:
+        0-dim penalty (>= 0), to be added as kl_coef * penalty.
+    """
+    return aggregate(kl_k3(logp, ref_logp, mask), _check_tokens("kl_penalty", mask), aggregation, normalizer)
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
+    """Token-level entropy bonus: sum of the valid tokens' entropies / normalizer (to be subtracted
+    from the loss as entropy_coef * bonus; PAPER.md is silent on it, default coefficient 0).
+
+    Args:
+        entropy: (B, T) per-token policy entropies H_t (``stats.entropy_from_logits``; may require grad).
+        mask: (B, T) nonzero on valid tokens.
+        normalizer: denominator, e.g. the valid tokens of the whole mini-batch; None = this batch's.
+
+    Returns:
+        0-dim mean entropy per token (exactly 0 without a valid token).
+    """
+    valid = _check_tokens("entropy_bonus", mask, entropy=entropy)
+    return aggregate(_clean(entropy, valid), valid, "token", normalizer)

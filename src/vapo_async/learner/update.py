@@ -6,10 +6,11 @@ vocabulary, R data-parallel ranks, M mini-batches.
 1. ``recompute``: with the current weights and no gradient, pi_prox log-probs (logits divided by
    the sampling temperature) and critic values V_t for every micro-batch (AReaL's decoupled
    objective: pi_prox is the trust-region centre, PAPER.md "Off-policy tolerance").
-2. ``compute_advantages``: rewards on the last response token (truncated responses too);
-   VAPO/PPO: decoupled GAE, returns with lambda_critic and advantages with lambda_policy, length
-   adaptive per response (VAPO eq. 4-5); GRPO/DAPO: the group advantage broadcast to every token.
-   Optional whitening over the whole global batch (all ranks).
+2. ``compute_advantages``: ``algo.advantages.token_advantages`` per micro-batch (rewards on the
+   last response token, truncated responses too; VAPO/PPO: decoupled GAE, returns with
+   lambda_critic and advantages with lambda_policy, length adaptive per response (VAPO eq. 4-5);
+   GRPO/DAPO: the group advantage rank 0 computed, broadcast to every token). Optional whitening
+   over the whole global batch (all ranks).
 3. ``ppo_epochs`` passes over the M mini-batches; each mini-batch: every micro-batch's losses are
    the ``algo`` losses scaled by (its count / the mini-batch's global count) x R, so that summing
    the micro-batch gradients and FSDP2's average over ranks give exactly the gradient of the
@@ -244,14 +245,12 @@ def actor_micro_loss(actor: nn.Module, p: Prepared, norms: MinibatchNorms, algo:
     counters.add_metrics("actor", metrics, n_tok)
     counters.add("actor/clip_fraction", metrics["clip_frac"], n_tok)  # the issue's tag name
     counters.add("actor/pg_loss", loss.detach() * norm / _local_count(algo.aggregation, mask), n_tok)
-    entropy = masked_mean(entropy_from_logits(logits), mask)
-    counters.add("actor/entropy", entropy.detach(), n_tok)
-    if algo.entropy_coef > 0:
-        loss = loss - algo.entropy_coef * entropy * n_tok / (max(norms.tokens, 1.0) / world_size())
+    entropy_tok = entropy_from_logits(logits)  # (b, Tr)
+    counters.add("actor/entropy", masked_mean(entropy_tok, mask).detach(), n_tok)
+    if algo.entropy_coef > 0:  # token-level, over the mini-batch's tokens (see _normalizer)
+        loss = loss - algo.entropy_coef * L.entropy_bonus(entropy_tok, mask, max(norms.tokens, 1.0) / world_size())
     if p.ref_logp is not None:
-        delta = p.ref_logp - logp
-        kl = L.aggregate(torch.where(mask > 0, delta.exp() - delta - 1.0, torch.zeros_like(delta)),
-                         mask > 0, algo.aggregation, norm)  # k3 estimate of KL(pi_theta || pi_ref)
+        kl = L.kl_penalty(logp, p.ref_logp, mask, algo.aggregation, norm)  # k3 estimate of KL(pi_theta || pi_ref)
         counters.add("actor/kl_ref", kl.detach() * norm / _local_count(algo.aggregation, mask), n_tok)
         loss = loss + algo.kl_coef * kl
     n_pos = float((mb.correct.to(mask.dtype)[:, None] * mask).sum())
