@@ -126,20 +126,20 @@ def gae(
     if backend != "reference":
         return gae_fast(rewards, values, mask, gamma, lam, out, backend)
     check_gae_inputs(rewards, values, mask, gamma)
-    (b, t), (out_dtype, cdtype) = rewards.shape, compute_dtype(rewards, values)
+    (b, n), (out_dtype, cdtype) = rewards.shape, compute_dtype(rewards, values)  # n = T
     valid = mask != 0  # (B, T)
     r = torch.where(valid, rewards.detach().to(cdtype), 0.0)  # (B, T), padding zeroed (even NaN)
     v = torch.where(valid, values.detach().to(cdtype), 0.0)  # (B, T)
     x = gamma * lambda_tensor(lam, b, cdtype, rewards.device)  # (B,) gamma * lambda_i
-    adv, ret = outputs(out, b, t, cdtype, rewards.device)
+    adv, ret = outputs(out, b, n, cdtype, rewards.device)
     a_next = torch.zeros(b, dtype=cdtype, device=rewards.device)  # (B,) A_{t+1}, 0 after the last token
     v_next = torch.zeros_like(a_next)  # (B,) V_{t+1}, 0 after the last token
-    for j in reversed(range(t)):
-        delta = (r[:, j] - v[:, j]) + gamma * v_next  # delta_t = r_t + gamma * V_{t+1} - V_t
+    for t in reversed(range(n)):
+        delta = (r[:, t] - v[:, t]) + gamma * v_next  # delta_t = r_t + gamma * V_{t+1} - V_t
         a = delta + x * a_next  # A_t = delta_t + gamma * lambda * A_{t+1}
         # padding is skipped: the next *valid* token's A and V carry over it
-        a_next, v_next = torch.where(valid[:, j], a, a_next), torch.where(valid[:, j], v[:, j], v_next)
-        adv[:, j] = torch.where(valid[:, j], a, 0.0)
+        a_next, v_next = torch.where(valid[:, t], a, a_next), torch.where(valid[:, t], v[:, t], v_next)
+        adv[:, t] = torch.where(valid[:, t], a, 0.0)
     torch.add(adv, v, out=ret)  # returns_t = A_t + V_t (the critic's target), 0 on padding
     return (adv, ret) if out is not None else (adv.to(out_dtype), ret.to(out_dtype))
 
