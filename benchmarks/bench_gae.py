@@ -7,7 +7,7 @@ memory bound of one pass.
 For each B x T (up to 8192 x 4096) with right-padded responses of random length 1..T, a bool mask
 and length-adaptive lambdas (alpha = 0.05, so rows have lambda 0 or 0.05..1), float32, it measures:
 - both paths of ``vapo_async.algo.advantages.gae``: ``compiled`` (the numba one-pass loop of
-  ``vapo_async.algo.gae_cpu``, the CPU default) and ``torch`` (the blocked matmul scan, the GPU /
+  ``vapo_async.algo.fast.numba_gae``, the CPU default) and ``torch`` (the blocked matmul scan, the GPU /
   no-numba path); each ``fresh`` (the plain call, new outputs) and ``out`` (preallocated,
   already-touched outputs via ``out=``, which removes the first-touch page faults of
   2 x B x T x 4 bytes of new memory); with torch's default thread count and with 1 thread;
@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from vapo_async.algo import gae_cpu
 from vapo_async.algo.advantages import gae, length_adaptive_lambda
+from vapo_async.algo.fast import numba_gae as gae_cpu
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = [(256, 512), (1024, 1024), (4096, 2048), (8192, 4096)]

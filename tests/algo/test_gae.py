@@ -6,15 +6,17 @@ import pytest
 import torch
 from algo_reference import gae_loop, random_mask, scan_loop
 
-from vapo_async.algo import gae_cpu
 from vapo_async.algo.advantages import gae, length_adaptive_lambda, place_terminal_rewards
-from vapo_async.algo.scan import reverse_scan
+from vapo_async.algo.fast import numba_gae as gae_cpu
+from vapo_async.algo.fast.scan import reverse_scan
 
 BACKENDS = [
     pytest.param("compiled", marks=pytest.mark.skipif(not gae_cpu.numba_available(), reason="numba not installed")),
     "torch",
+    "reference",
 ]
-"""Both implementations of ``gae`` run every test that takes ``backend``."""
+"""Every implementation of ``gae`` (the two fast paths and the readable loop) runs every test that
+takes ``backend``."""
 
 
 def _random_case(seed: int, b: int, t: int, layouts: tuple[str, ...]) -> tuple[torch.Tensor, ...]:

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from vapo_async.algo.losses import overlong_penalty, policy_loss, positive_nll_loss, value_loss
+from vapo_async.algo.advantages import overlong_penalty
+from vapo_async.algo.losses import policy_loss, positive_nll_loss, value_loss
 
 VAPO_KW = dict(clip_low=0.2, clip_high=0.28, behav_cap=None, behav_mode="mask", aggregation="token")
 

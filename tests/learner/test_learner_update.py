@@ -192,3 +192,46 @@ def test_minibatch_norms_cover_positives():
     assert total.tokens == float(seqs.response_lens.sum())
     assert total.pos_tokens == float(seqs.response_lens[seqs.correct].sum())
     assert total.seqs == seqs.n
+
+
+def test_actor_entropy_bonus_and_kl_terms_by_hand(models):
+    # The terms beyond eq. 7 / 10: loss(entropy_coef, kl_coef) - loss(0, 0) over the batch must be
+    # - entropy_coef * sum_t H_t / N + kl_coef * sum_t k3_t / N (token aggregation, N valid tokens),
+    # with H_t = -sum_v p_v log p_v and k3_t = e^d - d - 1, d = log pi_ref - log pi_theta, written out here.
+    import copy
+
+    actor, critic = models
+    ref = copy.deepcopy(actor)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(3)
+        for q in ref.parameters():
+            q.add_(torch.randn(q.shape, generator=gen) * 0.02)
+    seqs = Sequences.from_groups(make_groups(2, 4, vocab=300, seed=14))
+    plan = make_plan(seqs, 1, 1, 40, torch.Generator().manual_seed(0))
+    local = seqs.select(plan.rank_index[0])
+    slots: dict[int, list[int]] = {}
+    for i, s in enumerate(plan.micro_id[0]):
+        slots.setdefault(s, []).append(i)
+    mbs = [collate(local, slots[s], pad_id=0) for s in sorted(slots)]
+    prep = recompute(actor, critic, mbs, TEMPERATURE, ref=ref)
+    plain, extra = _algo(nll_coef=0.0), _algo(nll_coef=0.0, entropy_coef=0.01, kl_coef=0.1)
+    compute_advantages(prep, plain)
+    with torch.no_grad():
+        base = sum(actor_micro_loss(actor, p, plan.norms[0], plain, TEMPERATURE, StepCounters()) for p in prep)
+        total = sum(actor_micro_loss(actor, p, plan.norms[0], extra, TEMPERATURE, StepCounters()) for p in prep)
+        h_sum = k3_sum = 0.0
+        n = 0
+        off = 0
+        ref_logp, _ = _by_hand_logp(ref, local)
+        logp, mask = _by_hand_logp(actor, local)
+        for i in range(local.n):
+            p, r = int(local.prompt_lens[i]), int(local.response_lens[i])
+            ids = local.tokens[off:off + p + r]
+            off += p + r
+            lp = torch.log_softmax(actor(input_ids=ids[None]).logits[0].float()[p - 1:p + r - 1] / TEMPERATURE, -1)
+            h_sum += float(-(lp.exp() * lp).sum())
+            d = ref_logp[i, :r] - logp[i, :r]
+            k3_sum += float((d.exp() - d - 1.0).sum())
+            n += r
+    assert n == int(mask.sum()) and k3_sum > 0
+    torch.testing.assert_close(float(total - base), -0.01 * h_sum / n + 0.1 * k3_sum / n, rtol=1e-4, atol=1e-6)

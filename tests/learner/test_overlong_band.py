@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from learner_helpers import make_groups
 from omegaconf import OmegaConf
 
-from vapo_async.algo.losses import overlong_penalty
+from vapo_async.algo.advantages import overlong_penalty
 from vapo_async.algo.presets import preset
 from vapo_async.learner.__main__ import CONF_DIR, check_overrides
 from vapo_async.learner.config import ConfigError, LearnerConfig

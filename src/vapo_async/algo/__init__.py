@@ -7,11 +7,12 @@ Notation used in every shape below (and across the project):
 Equation numbers refer to /shared/PAPER.md (VAPO arXiv 2504.05118, DAPO 2503.14476, AReaL 2505.24298).
 
 Modules:
-    advantages  GAE with per-response lambda (decoupled, length-adaptive), group advantages,
-                terminal-reward placement
-    scan        the blocked matmul reverse scan under GAE (no Python loop over T)
+    advantages  advantages in one place: scored responses (+ values) -> advantages and returns
+                (``advantages_and_returns``); GAE as the recurrence (decoupled, length-adaptive),
+                group advantages, DAPO overlong penalty, terminal-reward placement
+    fast        GAE's fast paths (numba on CPU, blocked matmul scan on GPU) and their dispatcher
     losses      decoupled PPO policy loss with clip-higher and behaviour-weight cap, value loss,
-                positive-example NLL, DAPO overlong penalty
+                positive-example NLL
     stats       masked mean / variance / whitening, explained variance, log-probs and entropy
     presets     AlgoConfig and the vapo / ppo / grpo / dapo presets, ``vapo_without``
 
@@ -19,14 +20,18 @@ Every module docstring lists its deliberate departures from the papers.
 """
 
 from vapo_async.algo.advantages import (
+    GaeLambdas,
+    advantages_and_returns,
     gae,
     group_advantages,
     length_adaptive_lambda,
+    overlong_penalty,
     place_terminal_rewards,
+    score_responses,
+    token_advantages,
 )
 from vapo_async.algo.losses import (
     aggregate,
-    overlong_penalty,
     policy_loss,
     positive_nll_loss,
     value_loss,
@@ -46,6 +51,8 @@ __all__ = [
     "PRESETS",
     "TECHNIQUES",
     "AlgoConfig",
+    "GaeLambdas",
+    "advantages_and_returns",
     "aggregate",
     "entropy_from_logits",
     "explained_variance",
@@ -62,6 +69,8 @@ __all__ = [
     "policy_loss",
     "positive_nll_loss",
     "preset",
+    "score_responses",
+    "token_advantages",
     "value_loss",
     "vapo_without",
 ]

@@ -1,4 +1,9 @@
-"""Advantage estimators: GAE (decoupled, length-adaptive) and group-normalised (GRPO/DAPO).
+"""Advantages in one place: GAE (decoupled, length-adaptive), group-normalised (GRPO/DAPO), DAPO shaping.
+
+``advantages_and_returns`` goes from a batch of scored responses (+ critic values) to advantages
+and returns; the learner calls its two halves, ``score_responses`` (rank 0, whole groups) and
+``token_advantages`` (per micro-batch, after the values are recomputed). ``gae`` is the recurrence
+as PAPER.md writes it; its fast paths live in ``vapo_async.algo.fast``.
 
 Notation (see ``vapo_async.algo``): B responses, T padded length, G samples per prompt,
 L_i valid tokens of response i; ``mask[i, t]`` is nonzero on the tokens that count.
@@ -10,8 +15,10 @@ Deliberate departures from the papers (each a documented choice where the paper 
   treated as if its valid tokens were adjacent (the value after a valid token is that of the next
   valid token, 0 after the last). Its outputs carry no gradient (advantages and returns are
   constants in PPO), and it computes in float32 at least (bfloat16/float16 inputs are upcast).
-  Two implementations, equal up to rounding: on CPU with numba installed, a compiled one-pass loop
-  (``vapo_async.algo.gae_cpu``); elsewhere (GPU, no numba) the blocked matmul scan below.
+  Fast paths in ``vapo_async.algo.fast`` (numba on CPU, the blocked scan elsewhere) compute the
+  same recurrence in a different order of operations: equal up to rounding (tests/algo).
+- ``overlong_penalty`` with ``cache_len = 0`` is a hard -1 above ``max_len`` (DAPO's middle band
+  is empty then).
 - ``group_advantages`` uses the unbiased (Bessel) standard deviation like the common GRPO code,
   returns exactly 0 for a group whose rewards are all equal (the formula is 0/0 there) and 0 for
   G = 1 (no group to compare with).
@@ -19,15 +26,19 @@ Deliberate departures from the papers (each a documented choice where the paper 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from vapo_async.algo import gae_cpu
-from vapo_async.algo.scan import DEFAULT_CHUNK, reverse_scan
-
-BLOCK_ELEMS = 1 << 19
-"""Rows are processed in blocks of about this many elements so intermediates stay in cache."""
+from vapo_async.algo.fast import (
+    Backend,
+    check_gae_inputs,
+    compute_dtype,
+    gae_fast,
+    lambda_tensor,
+    outputs,
+)
 
 
 def length_adaptive_lambda(
@@ -80,118 +91,6 @@ def place_terminal_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Te
     return out
 
 
-def _check_gae_inputs(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float) -> None:
-    if rewards.dim() != 2 or rewards.shape != values.shape or rewards.shape != mask.shape:
-        raise ValueError(
-            f"gae: rewards, values and mask must all be (B, T); got {tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}"
-        )
-    if not (rewards.is_floating_point() and values.is_floating_point()):
-        raise ValueError(f"gae: rewards and values must be floating point, got {rewards.dtype} and {values.dtype}")
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gae: gamma must be in [0, 1], got {gamma}")
-
-
-def _lambda_tensor(lam: float | torch.Tensor, b: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(B,) lambdas from a float or a (B,) tensor, checked to lie in [0, 1]."""
-    if isinstance(lam, torch.Tensor):
-        if lam.shape != (b,):
-            raise ValueError(f"gae: lam must be a float or a (B,) = ({b},) tensor, got shape {tuple(lam.shape)}")
-        lam_t = lam.detach().to(device=device, dtype=dtype)
-    else:
-        lam_t = torch.full((b,), float(lam), dtype=dtype, device=device)
-    if b and not bool(((lam_t >= 0) & (lam_t <= 1)).all()):
-        raise ValueError(f"gae: every lambda must be in [0, 1], got min {lam_t.min().item()} max {lam_t.max().item()}")
-    return lam_t
-
-
-class _Workspace:
-    """Buffers reused by every row block of one ``gae`` call (fresh large tensors cost page faults)."""
-
-    def __init__(self, rows: int, t: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.itype = torch.int32 if dtype == torch.float32 else torch.int64
-        self.pad = (-t) % DEFAULT_CHUNK if t > DEFAULT_CHUNK else 0
-        self.delta = torch.zeros(rows, t + self.pad, dtype=dtype, device=device)  # front pad stays 0
-        self.scan = torch.empty_like(self.delta)
-        self.values = torch.empty(rows, t, dtype=dtype, device=device)
-        self.keep = torch.empty(rows, t, dtype=self.itype, device=device)
-
-
-def _gae_rows(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    x: torch.Tensor,
-    gamma: float,
-    adv_out: torch.Tensor,
-    ret_out: torch.Tensor,
-    ws: _Workspace,
-) -> None:
-    """GAE on a block of b rows, written into adv_out / ret_out.
-
-    Args:
-        rewards, values: (b, T) in the compute dtype (float32/float64).
-        valid: (b, T) uint8 0/1 mask.
-        x: (b,) gamma * lambda per row.
-        adv_out, ret_out: (b, T) contiguous outputs in the compute dtype.
-        ws: buffers with at least b rows.
-    """
-    b = rewards.shape[0]
-    it = ws.itype
-    # keep = -1 (all bits set) on valid tokens, 0 on padding. AND-ing a float's bits with it is a
-    # bit-exact, NaN-proof masked select: valid values pass unchanged (NaN/inf in valid tokens still
-    # show), padding becomes +0.0 whatever it held. (torch.where is a scalar kernel on CPU, ~10x slower.)
-    keep = ws.keep[:b]
-    keep.copy_(torch.neg(valid.view(torch.int8)))  # int8 -1 sign-extends to all ones
-    vs = ws.values[:b]
-    torch.bitwise_and(values.view(it), keep, out=vs.view(it))
-    delta = ws.delta[:b, ws.pad :]
-    torch.bitwise_and(rewards.view(it), keep, out=delta.view(it))
-    # TD residual delta_t = r_t + gamma * V_{t+1} - V_t (PAPER.md "Decoupled GAE"); V after the last
-    # valid token is 0 because padding was zeroed, which also makes delta 0 on right padding.
-    delta.sub_(vs)
-    delta[:, :-1].add_(vs[:, 1:], alpha=gamma)
-    # A valid token right after an invalid one (a "rise") means left padding or a gap somewhere.
-    rise = torch.gt(valid[:, 1:], valid[:, :-1])
-    prefix_only = not bool(rise.any())
-    # A_t = delta_t + gamma * lambda * A_{t+1} (blocked matmul scan). Tokens before a row's first
-    # valid one never feed valid ones (the scan runs backwards); they are masked out below. When
-    # every row's valid tokens are a prefix (right padding) no output mask is needed: delta is 0
-    # after the prefix and nothing flows backwards into it, so A is exactly 0 there.
-    if prefix_only and ws.pad == 0:
-        reverse_scan(delta, x, out=adv_out)
-    else:
-        scan = reverse_scan(ws.delta[:b], x, out=ws.scan[:b])[:, ws.pad :]
-        torch.bitwise_and(scan.view(it), keep, out=adv_out.view(it))
-    torch.add(adv_out, vs, out=ret_out)  # returns = A + V on valid tokens, 0 + 0 on padding
-    if not prefix_only:
-        # A row with several runs of valid tokens is redone on its valid tokens moved together.
-        runs = rise.view(torch.uint8).sum(dim=1, dtype=torch.int32) + valid[:, 0]
-        gapped = (runs > 1).nonzero().squeeze(1)
-        if gapped.numel():
-            _gae_gapped_rows(rewards[gapped], values[gapped], valid[gapped], x[gapped], gamma, adv_out, ret_out, gapped)
-
-
-def _gae_gapped_rows(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    x: torch.Tensor,
-    gamma: float,
-    adv_out: torch.Tensor,
-    ret_out: torch.Tensor,
-    rows: torch.Tensor,
-) -> None:
-    """Rows whose mask has gaps: move valid tokens to the front (order kept), solve, scatter back."""
-    order = torch.sort(valid, dim=1, descending=True, stable=True).indices  # (g, T)
-    r_p, v_p, m_p = (torch.gather(a, 1, order) for a in (rewards, values, valid))
-    adv_p = torch.empty_like(r_p)
-    ret_p = torch.empty_like(r_p)
-    g, t = r_p.shape
-    _gae_rows(r_p, v_p, m_p, x, gamma, adv_p, ret_p, _Workspace(g, t, r_p.dtype, r_p.device))
-    adv_out[rows] = torch.zeros_like(adv_p).scatter_(1, order, adv_p)
-    ret_out[rows] = torch.zeros_like(ret_p).scatter_(1, order, ret_p)
-
-
 def gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -200,92 +99,49 @@ def gae(
     lam: float | torch.Tensor,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    backend: Literal["auto", "compiled", "torch"] = "auto",
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation with a per-response lambda (VAPO sections 3.1-3.2).
+    """Generalised advantage estimation with a per-response lambda (PAPER.md "Decoupled GAE").
 
-    delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lambda * A_{t+1},
-    returns_t = A_t + V_t, run over the valid tokens of each row (V and A are 0 past the last one).
     Decoupled GAE calls this twice: lambda_critic = 1.0 for the critic's returns and lambda_policy
-    (a float or the length-adaptive per-row tensor, eq. 5) for the policy's advantages.
-
-    Two implementations (``backend``): "compiled", the recurrence as written walked once per row in
-    numba-compiled code (``vapo_async.algo.gae_cpu``; CPU only, one pass over memory), and
-    "torch", a blocked matmul scan (``vapo_async.algo.scan``) with no Python loop over T, for any
-    device. "auto" takes "compiled" for CPU tensors when numba is installed, else "torch".
+    (a float, or the length-adaptive (B,) tensor of eq. 5) for the policy's advantages. The body
+    below is the recurrence; ``backend`` "auto" (default), "compiled" (numba, CPU) or "torch"
+    (blocked scan, any device) hands the same computation to ``vapo_async.algo.fast``, proven equal
+    by tests/algo/test_gae_fast_paths.py; "reference" runs the loop below.
 
     Args:
         rewards: (B, T) token rewards r_t (verifier setting: the score on the last valid token).
         values: (B, T) critic values V_t.
-        mask: (B, T) nonzero on valid tokens. Responses may sit anywhere in T (left or right
-            padding, even gaps); padding may hold anything, NaN included, and never reaches a
-            valid output.
+        mask: (B, T) nonzero on valid tokens, anywhere in T (left/right padding, gaps); padding
+            may hold anything, NaN included, and never reaches a valid output.
         gamma: discount in [0, 1] (the papers use 1.0).
         lam: a float in [0, 1] or a (B,) tensor of per-response lambdas in [0, 1].
-        out: optional preallocated contiguous (B, T) (advantages, returns) buffers in float32 or
-            float64 (the compute dtype) to write into, e.g. reused across calls: fresh
-            multi-megabyte outputs cost a page fault per 4 KiB on first touch.
-        backend: "auto", "compiled" (raises unless the tensors are on CPU and numba is installed)
-            or "torch" (see above).
+        out: optional contiguous (B, T) float32/float64 (advantages, returns) buffers to fill.
+        backend: see above.
 
     Returns:
-        (advantages, returns), both (B, T) in the promoted dtype of rewards and values (the
-        ``out`` buffers when given), 0 on padding, without gradient.
+        (advantages, returns), (B, T) in the promoted dtype of rewards and values (the ``out``
+        buffers when given), 0 on padding, without gradient.
     """
-    _check_gae_inputs(rewards, values, mask, gamma)
-    b, t = rewards.shape
-    out_dtype = torch.promote_types(rewards.dtype, values.dtype)
-    cdtype = torch.float64 if out_dtype == torch.float64 else torch.float32
-    x = gamma * _lambda_tensor(lam, b, cdtype, rewards.device)
-    valid = mask.view(torch.uint8) if mask.dtype == torch.bool else (mask != 0).view(torch.uint8)
-    adv, ret = _outputs(out, b, t, cdtype, rewards.device)
-    if _use_compiled(backend, rewards.device):
-        to_c = (t_.detach().to(cdtype).contiguous() for t_ in (rewards, values))
-        gae_cpu.gae_rows_compiled(*to_c, valid.contiguous(), x, gamma, adv, ret)
-    elif b and t:
-        rows = min(b, max(1, BLOCK_ELEMS // t))
-        ws = _Workspace(rows, t, cdtype, rewards.device)
-        with torch.no_grad():
-            for s in range(0, b, rows):
-                e = min(b, s + rows)
-                _gae_rows(
-                    rewards[s:e].to(cdtype).contiguous(),
-                    values[s:e].to(cdtype).contiguous(),
-                    valid[s:e].contiguous(),
-                    x[s:e],
-                    gamma,
-                    adv[s:e],
-                    ret[s:e],
-                    ws,
-                )
-    if out is not None:
-        return adv, ret
-    return adv.to(out_dtype), ret.to(out_dtype)
-
-
-def _use_compiled(backend: str, device: torch.device) -> bool:
-    """Whether ``gae`` takes the compiled CPU path (see its ``backend`` argument)."""
-    if backend == "torch":
-        return False
-    if backend == "auto":
-        return device.type == "cpu" and gae_cpu.numba_available()
-    if backend != "compiled":
-        raise ValueError(f"gae: backend must be 'auto', 'compiled' or 'torch', got {backend!r}")
-    if device.type != "cpu" or not gae_cpu.numba_available():
-        raise ValueError(f"gae: backend='compiled' needs CPU tensors and numba installed (device {device}, numba installed: {gae_cpu.numba_available()})")
-    return True
-
-
-def _outputs(
-    out: tuple[torch.Tensor, torch.Tensor] | None, b: int, t: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (advantages, returns) buffers: the caller's (checked) or new ones."""
-    if out is None:
-        return torch.empty(b, t, dtype=dtype, device=device), torch.empty(b, t, dtype=dtype, device=device)
-    for buf in out:
-        if buf.shape != (b, t) or buf.dtype != dtype or not buf.is_contiguous() or buf.device != device:
-            raise ValueError(f"gae: out buffers must be contiguous ({b}, {t}) {dtype} on {device}, got {buf.dtype} {tuple(buf.shape)}")
-    return out
+    if backend != "reference":
+        return gae_fast(rewards, values, mask, gamma, lam, out, backend)
+    check_gae_inputs(rewards, values, mask, gamma)
+    (b, n), (out_dtype, cdtype) = rewards.shape, compute_dtype(rewards, values)  # n = T
+    valid = mask != 0  # (B, T)
+    r = torch.where(valid, rewards.detach().to(cdtype), 0.0)  # (B, T), padding zeroed (even NaN)
+    v = torch.where(valid, values.detach().to(cdtype), 0.0)  # (B, T)
+    x = gamma * lambda_tensor(lam, b, cdtype, rewards.device)  # (B,) gamma * lambda_i
+    adv, ret = outputs(out, b, n, cdtype, rewards.device)
+    a_next = torch.zeros(b, dtype=cdtype, device=rewards.device)  # (B,) A_{t+1}, 0 after the last token
+    v_next = torch.zeros_like(a_next)  # (B,) V_{t+1}, 0 after the last token
+    for t in reversed(range(n)):
+        delta = (r[:, t] - v[:, t]) + gamma * v_next  # delta_t = r_t + gamma * V_{t+1} - V_t
+        a = delta + x * a_next  # A_t = delta_t + gamma * lambda * A_{t+1}
+        # padding is skipped: the next *valid* token's A and V carry over it
+        a_next, v_next = torch.where(valid[:, t], a, a_next), torch.where(valid[:, t], v[:, t], v_next)
+        adv[:, t] = torch.where(valid[:, t], a, 0.0)
+    torch.add(adv, v, out=ret)  # returns_t = A_t + V_t (the critic's target), 0 on padding
+    return (adv, ret) if out is not None else (adv.to(out_dtype), ret.to(out_dtype))
 
 
 def group_advantages(
@@ -318,3 +174,151 @@ def group_advantages(
         centred = centred / (r.std(dim=1, keepdim=True) + eps)
     flat = (r.amax(dim=1, keepdim=True) - r.amin(dim=1, keepdim=True)) == 0
     return torch.where(flat, torch.zeros_like(centred), centred).view(-1).to(rewards.dtype)
+
+
+def overlong_penalty(
+    lengths: torch.Tensor, max_len: int, cache_len: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """DAPO soft overlong punishment R_len(|y|) (PAPER.md, DAPO bullet), added to the correctness reward.
+
+    R_len(L) = 0 for L <= max_len - cache_len; ((max_len - cache_len) - L) / cache_len up to
+    max_len (linear from 0 to -1); -1 beyond max_len. The one implementation: the learner's
+    shaping (``score_responses``) and the scalar reward-side ``vapo_async.rewards.overlong_penalty``
+    both call it. Computed in float64 (exact for these integer ratios), returned in ``dtype``.
+
+    Args:
+        lengths: (B,) integer response lengths |y|.
+        max_len: L_max > 0.
+        cache_len: L_cache in [0, max_len].
+        dtype: floating dtype of the result.
+
+    Returns:
+        (B,) penalties in [-1, 0].
+    """
+    if max_len <= 0 or not 0 <= cache_len <= max_len:
+        raise ValueError(f"overlong_penalty: need max_len > 0 and 0 <= cache_len <= max_len, got {max_len}, {cache_len}")
+    if lengths.dim() != 1 or lengths.is_floating_point():
+        raise ValueError(f"overlong_penalty: lengths must be a (B,) integer tensor, got {lengths.dtype} {tuple(lengths.shape)}")
+    length = lengths.to(torch.float64)
+    soft_start = float(max_len - cache_len)
+    ramp = (soft_start - length) / max(cache_len, 1)  # cache_len = 0: the ramp is never used
+    out = torch.where(length <= soft_start, torch.zeros_like(length), ramp)
+    return torch.where(length > max_len, torch.full_like(length, -1.0), out).to(dtype)
+
+
+@dataclass(frozen=True)
+class GaeLambdas:
+    """The lambda of each GAE pass (PAPER.md: decoupled GAE, length-adaptive GAE eq. 5)."""
+
+    policy: float = 0.95
+    """lambda_policy of every response when ``alpha`` is None."""
+    critic: float | None = 1.0
+    """lambda_critic (decoupled GAE); None = coupled: the critic uses the policy's lambdas."""
+    alpha: float | None = 0.05
+    """Length-adaptive constant: lambda_policy(L) = 1 - 1/(alpha L) clamped at 0; None = fixed."""
+
+    def policy_lambdas(self, lengths: torch.Tensor) -> torch.Tensor:
+        """(B,) float32 policy lambdas for (B,) integer response lengths."""
+        if self.alpha is not None:
+            return length_adaptive_lambda(lengths, self.alpha)
+        return torch.full(lengths.shape, self.policy, dtype=torch.float32, device=lengths.device)
+
+    def critic_lambdas(self, lengths: torch.Tensor) -> torch.Tensor:
+        """(B,) float32 critic lambdas for (B,) integer response lengths."""
+        if self.critic is None:
+            return self.policy_lambdas(lengths)
+        return torch.full(lengths.shape, self.critic, dtype=torch.float32, device=lengths.device)
+
+
+def score_responses(
+    scores: torch.Tensor, lengths: torch.Tensor, *, group_size: int | None, overlong: tuple[int, int] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence-level half of ``advantages_and_returns``: shaped rewards and group advantages.
+
+    Needs whole groups (rows [k*G, (k+1)*G) share a prompt), so the learner runs it on rank 0
+    before the batch is split across ranks.
+
+    Args:
+        scores: (B,) float verifier rewards R_i.
+        lengths: (B,) integer response lengths L_i.
+        group_size: G for the group-normalised advantage (GRPO/DAPO); None: no group advantage.
+        overlong: (L_max, L_cache) of DAPO's soft overlong punishment, or None.
+
+    Returns:
+        rewards (B,) = R_i + R_len(L_i) (DAPO eq. 13; R_i without shaping), dtype of ``scores``;
+        seq_adv (B,) = (R_i - mean_group) / (std_group + eps) on those rewards, or zeros.
+    """
+    rewards = scores
+    if overlong is not None and scores.numel():
+        rewards = scores + overlong_penalty(lengths, *overlong, dtype=scores.dtype)
+    if group_size is None or not scores.numel():
+        return rewards, torch.zeros_like(rewards)
+    return rewards, group_advantages(rewards, group_size)
+
+
+def token_advantages(
+    rewards: torch.Tensor,
+    seq_adv: torch.Tensor,
+    lengths: torch.Tensor,
+    mask: torch.Tensor,
+    values: torch.Tensor | None,
+    *,
+    estimator: Literal["gae", "group"],
+    gamma: float,
+    lambdas: GaeLambdas,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The token-level half of ``advantages_and_returns``: any subset of rows (one micro-batch).
+
+    "gae" (VAPO, PPO): the reward on the last valid token, then decoupled GAE: the critic's
+    returns with lambda_critic, the policy's advantages with lambda_policy (eq. 5 per response).
+    "group" (GRPO, DAPO): the sequence advantage on every valid token; no returns.
+
+    Args:
+        rewards: (B,) shaped sequence rewards (from ``score_responses``).
+        seq_adv: (B,) sequence advantages (from ``score_responses``; read by "group" only).
+        lengths: (B,) integer response lengths L_i (the length-adaptive lambda's L).
+        mask: (B, T) float, 1 on response tokens.
+        values: (B, T) critic values V_t ("gae"), None for "group".
+        estimator: "gae" or "group".
+        gamma: discount in [0, 1].
+        lambdas: the lambdas of the two GAE passes.
+
+    Returns:
+        advantages (B, T) and returns (B, T) ("gae") or None ("group"), 0 on padding.
+    """
+    if estimator == "group":
+        return seq_adv[:, None] * mask, None
+    if estimator != "gae" or values is None:
+        raise ValueError(f"token_advantages: estimator must be 'gae' (with values) or 'group', got {estimator!r} "
+                         f"with values {'given' if values is not None else 'None'}")
+    token_rewards = place_terminal_rewards(rewards, mask)  # (B, T): R_i on the last token
+    _, returns = gae(token_rewards, values, mask, gamma, lambdas.critic_lambdas(lengths))
+    advantages, _ = gae(token_rewards, values, mask, gamma, lambdas.policy_lambdas(lengths))
+    return advantages, returns
+
+
+def advantages_and_returns(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    mask: torch.Tensor,
+    values: torch.Tensor | None,
+    *,
+    estimator: Literal["gae", "group"],
+    group_size: int | None = None,
+    overlong: tuple[int, int] | None = None,
+    gamma: float = 1.0,
+    lambdas: GaeLambdas,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A batch of scored responses (+ values with a critic) -> (advantages (B, T), returns (B, T) | None).
+
+    DAPO shaping, then the group advantage ("group", G = ``group_size``) or decoupled,
+    length-adaptive GAE ("gae"): ``score_responses`` then ``token_advantages``. The learner runs
+    the two halves apart (the first on rank 0 over whole groups, the second per micro-batch once
+    the values are recomputed); tests/algo/test_advantages_one_place.py proves the split equal to
+    this call. Arguments as in the two halves; ``mask`` (B, T) float, 1 on response tokens.
+    """
+    if estimator == "group" and group_size is None:
+        raise ValueError("advantages_and_returns: estimator 'group' needs group_size")
+    rewards, seq_adv = score_responses(scores, lengths, group_size=group_size if estimator == "group" else None,
+                                       overlong=overlong)
+    return token_advantages(rewards, seq_adv, lengths, mask, values, estimator=estimator, gamma=gamma, lambdas=lambdas)

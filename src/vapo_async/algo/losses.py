@@ -1,4 +1,4 @@
-"""Losses: decoupled PPO policy loss with clip-higher, value loss, positive-example NLL, overlong penalty.
+"""Losses: decoupled PPO policy loss with clip-higher, value loss, positive-example NLL, KL and entropy terms.
 
 Notation (see ``vapo_async.algo``): B responses, T padded length. All (B, T) inputs share one mask,
 nonzero on valid tokens; padding may hold anything (NaN, 1e30): it is replaced before any
@@ -15,8 +15,6 @@ Deliberate departures and choices:
 - ``normalizer`` (optional) replaces the denominator (total tokens for "token", total responses
   for "sequence") so that gradient accumulation over micro-batches or ranks reproduces eq. 7 over
   the whole training batch.
-- ``overlong_penalty`` with ``cache_len = 0`` is a hard -1 above ``max_len`` (DAPO's middle band
-  is empty then).
 """
 
 from __future__ import annotations
@@ -251,26 +249,53 @@ def positive_nll_loss(
     return aggregate(-_clean(logp, chosen), chosen, "token", normalizer)
 
 
-def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
-    """DAPO soft overlong punishment (DAPO eq. 13), added to the correctness reward.
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref) at the sampled tokens (Schulman, "Approximating
+    KL divergence", 2020; the papers drop the KL term: PAPER.md "Paper is silent on", beta = 0).
 
-    R_len(L) = 0 for L <= max_len - cache_len; ((max_len - cache_len) - L) / cache_len up to
-    max_len (linear from 0 to -1); -1 beyond max_len.
+    k3 = exp(d) - d - 1 with d = log pi_ref - log pi_theta: >= 0 for every token, 0 where the two
+    policies agree, unbiased for the KL when tokens are sampled from pi_theta.
 
     Args:
-        lengths: (B,) integer response lengths |y|.
-        max_len: L_max > 0.
-        cache_len: L_cache in [0, max_len].
+        logp: (B, T) log pi_theta of the sampled tokens (may require grad).
+        ref_logp: (B, T) log pi_ref of the same tokens.
+        mask: (B, T) nonzero on valid tokens.
 
     Returns:
-        (B,) float32 penalties in [-1, 0].
+        (B, T) k3 per token, exactly 0 on padding (whatever it held).
     """
-    if max_len <= 0 or not 0 <= cache_len <= max_len:
-        raise ValueError(f"overlong_penalty: need max_len > 0 and 0 <= cache_len <= max_len, got {max_len}, {cache_len}")
-    if lengths.dim() != 1 or lengths.is_floating_point():
-        raise ValueError(f"overlong_penalty: lengths must be a (B,) integer tensor, got {lengths.dtype} {tuple(lengths.shape)}")
-    length = lengths.to(torch.float32)
-    soft_start = float(max_len - cache_len)
-    ramp = (soft_start - length) / max(cache_len, 1)
-    out = torch.where(length <= soft_start, torch.zeros_like(length), ramp)
-    return torch.where(length > max_len, torch.full_like(length, -1.0), out)
+    valid = _check_tokens("kl_k3", mask, logp=logp, ref_logp=ref_logp)
+    d = _clean(ref_logp, valid) - _clean(logp, valid)  # 0 on padding, so exp(0) - 0 - 1 = 0 there
+    return d.exp() - d - 1.0
+
+
+def kl_penalty(
+    logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, aggregation: str, normalizer: float | None = None
+) -> torch.Tensor:
+    """KL penalty to a frozen reference policy: ``kl_k3`` aggregated like the policy loss.
+
+    Args:
+        logp, ref_logp, mask: as ``kl_k3`` ((B, T) each).
+        aggregation: "token" or "sequence" (see ``aggregate``).
+        normalizer: optional denominator override (see ``aggregate``).
+
+    Returns:
+        0-dim penalty (>= 0), to be added as kl_coef * penalty.
+    """
+    return aggregate(kl_k3(logp, ref_logp, mask), _check_tokens("kl_penalty", mask), aggregation, normalizer)
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
+    """Token-level entropy bonus: sum of the valid tokens' entropies / normalizer (to be subtracted
+    from the loss as entropy_coef * bonus; PAPER.md is silent on it, default coefficient 0).
+
+    Args:
+        entropy: (B, T) per-token policy entropies H_t (``stats.entropy_from_logits``; may require grad).
+        mask: (B, T) nonzero on valid tokens.
+        normalizer: denominator, e.g. the valid tokens of the whole mini-batch; None = this batch's.
+
+    Returns:
+        0-dim mean entropy per token (exactly 0 without a valid token).
+    """
+    valid = _check_tokens("entropy_bonus", mask, entropy=entropy)
+    return aggregate(_clean(entropy, valid), valid, "token", normalizer)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vapo_async.algo.advantages import length_adaptive_lambda
+from vapo_async.algo.advantages import GaeLambdas
 
 TECHNIQUES = (
     "value_pretraining",
@@ -189,17 +189,18 @@ class AlgoConfig:
             ("grad_clip", self.grad_clip is None or self.grad_clip > 0.0),
         ]
 
+    def gae_lambdas(self) -> GaeLambdas:
+        """The lambdas of the two GAE passes (decoupled / length-adaptive as configured)."""
+        return GaeLambdas(policy=self.lambda_policy, critic=self.lambda_critic if self.decoupled_gae else None,
+                          alpha=self.alpha if self.length_adaptive else None)
+
     def policy_lambda(self, lengths: torch.Tensor) -> torch.Tensor:
         """(B,) float32 policy GAE lambdas for responses of the given (B,) integer lengths."""
-        if self.length_adaptive:
-            return length_adaptive_lambda(lengths, self.alpha)
-        return torch.full(lengths.shape, self.lambda_policy, dtype=torch.float32, device=lengths.device)
+        return self.gae_lambdas().policy_lambdas(lengths)
 
     def critic_lambda(self, lengths: torch.Tensor) -> torch.Tensor:
         """(B,) float32 critic GAE lambdas: lambda_critic if decoupled, else the policy's."""
-        if self.decoupled_gae:
-            return torch.full(lengths.shape, self.lambda_critic, dtype=torch.float32, device=lengths.device)
-        return self.policy_lambda(lengths)
+        return self.gae_lambdas().critic_lambdas(lengths)
 
 
 _RULES = {

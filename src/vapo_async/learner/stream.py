@@ -31,8 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vapo_async.algo.advantages import group_advantages
-from vapo_async.algo.losses import overlong_penalty
+from vapo_async.algo.advantages import score_responses
 from vapo_async.learner.batching import MinibatchNorms, Plan, Sequences, make_plan
 from vapo_async.transport.messages import WeightAnnouncement
 from vapo_async.transport.rollout import RolloutGroup
@@ -219,14 +218,16 @@ class RolloutStream:
 
     def _sequences(self, groups: list[RolloutGroup]) -> Sequences:
         seqs = Sequences.from_groups(groups)
-        if self.cfg.overlong is not None and seqs.n:
-            # DAPO eq. 13: R = correctness reward + R_len(|y|)
-            seqs.rewards = seqs.rewards + overlong_penalty(seqs.response_lens, *self.cfg.overlong)
+        group_size = None
         if self.cfg.group_advantage and seqs.n:
             sizes = {g.group_size for g in groups}
             if len(sizes) != 1:
                 raise ValueError(f"group advantages need equal group sizes, got {sorted(sizes)}")
-            seqs.seq_adv = group_advantages(seqs.rewards, sizes.pop())
+            group_size = sizes.pop()
+        # the sequence-level half of algo's advantages_and_returns: DAPO eq. 13 shaping
+        # (R = correctness reward + R_len(|y|)) and the group advantage, over whole groups
+        seqs.rewards, seqs.seq_adv = score_responses(seqs.rewards, seqs.response_lens, group_size=group_size,
+                                                     overlong=self.cfg.overlong)
         return seqs
 
     # ---- all ranks ----

@@ -6,10 +6,11 @@ vocabulary, R data-parallel ranks, M mini-batches.
 1. ``recompute``: with the current weights and no gradient, pi_prox log-probs (logits divided by
    the sampling temperature) and critic values V_t for every micro-batch (AReaL's decoupled
    objective: pi_prox is the trust-region centre, PAPER.md "Off-policy tolerance").
-2. ``compute_advantages``: rewards on the last response token (truncated responses too);
-   VAPO/PPO: decoupled GAE, returns with lambda_critic and advantages with lambda_policy, length
-   adaptive per response (VAPO eq. 4-5); GRPO/DAPO: the group advantage broadcast to every token.
-   Optional whitening over the whole global batch (all ranks).
+2. ``compute_advantages``: ``algo.advantages.token_advantages`` per micro-batch (rewards on the
+   last response token, truncated responses too; VAPO/PPO: decoupled GAE, returns with
+   lambda_critic and advantages with lambda_policy, length adaptive per response (VAPO eq. 4-5);
+   GRPO/DAPO: the group advantage rank 0 computed, broadcast to every token). Optional whitening
+   over the whole global batch (all ranks).
 3. ``ppo_epochs`` passes over the M mini-batches; each mini-batch: every micro-batch's losses are
    the ``algo`` losses scaled by (its count / the mini-batch's global count) x R, so that summing
    the micro-batch gradients and FSDP2's average over ranks give exactly the gradient of the
@@ -26,13 +27,14 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from vapo_async.algo import losses as L
-from vapo_async.algo.advantages import gae, place_terminal_rewards
+from vapo_async.algo.advantages import token_advantages
 from vapo_async.algo.presets import AlgoConfig
 from vapo_async.algo.stats import entropy_from_logits, gather_logprobs, masked_mean
 from vapo_async.learner.batching import MicroBatch, MinibatchNorms
@@ -100,18 +102,10 @@ def recompute(actor: nn.Module, critic: nn.Module | None, mbs: list[MicroBatch],
 def compute_advantages(prep: list[Prepared], algo: AlgoConfig) -> dict[str, float]:
     """Fill ``advantages``/``returns`` of every micro-batch (collective: every rank must call it;
     whitening and the explained variance use all ranks' tokens). Returns statistics."""
-    for p in prep:
-        mask = p.mask
-        if algo.advantage_estimator == "gae":
-            assert p.values is not None
-            rewards = place_terminal_rewards(p.mb.rewards, mask)  # (b, Tr): R_i on the last token
-            lengths = p.mb.response_lens
-            # decoupled GAE (VAPO 3.1): critic targets with lambda_critic, policy with lambda_policy
-            # (per response when length-adaptive, eq. 5)
-            _, p.returns = gae(rewards, p.values, mask, algo.gamma, algo.critic_lambda(lengths))
-            p.advantages, _ = gae(rewards, p.values, mask, algo.gamma, algo.policy_lambda(lengths))
-        else:
-            p.advantages = p.mb.seq_adv[:, None] * mask  # GRPO/DAPO: A_i on every token
+    for p in prep:  # the token-level half of algo's advantages_and_returns (the rest ran on rank 0)
+        p.advantages, p.returns = token_advantages(
+            p.mb.rewards, p.mb.seq_adv, p.mb.response_lens, p.mask, p.values,
+            estimator=_estimator(algo), gamma=algo.gamma, lambdas=algo.gae_lambdas())
     stats = _moments(prep)
     if algo.whiten_advantages and stats["n"] > 0:
         # masked_whiten over the global batch: population variance over all ranks' tokens
@@ -121,6 +115,13 @@ def compute_advantages(prep: list[Prepared], algo: AlgoConfig) -> dict[str, floa
             assert p.advantages is not None
             p.advantages = (p.advantages - mean) / math.sqrt(var + 1e-8) * p.mask
     return _advantage_stats(stats)
+
+
+def _estimator(algo: AlgoConfig) -> Literal["gae", "group"]:
+    """``algo.advantage_estimator`` narrowed to its two values (AlgoConfig.validate checks it)."""
+    if algo.advantage_estimator not in ("gae", "group"):
+        raise ValueError(f"AlgoConfig.advantage_estimator must be 'gae' or 'group', got {algo.advantage_estimator!r}")
+    return "gae" if algo.advantage_estimator == "gae" else "group"
 
 
 def _moments(prep: list[Prepared]) -> dict[str, float]:
@@ -244,14 +245,12 @@ def actor_micro_loss(actor: nn.Module, p: Prepared, norms: MinibatchNorms, algo:
     counters.add_metrics("actor", metrics, n_tok)
     counters.add("actor/clip_fraction", metrics["clip_frac"], n_tok)  # the issue's tag name
     counters.add("actor/pg_loss", loss.detach() * norm / _local_count(algo.aggregation, mask), n_tok)
-    entropy = masked_mean(entropy_from_logits(logits), mask)
-    counters.add("actor/entropy", entropy.detach(), n_tok)
-    if algo.entropy_coef > 0:
-        loss = loss - algo.entropy_coef * entropy * n_tok / (max(norms.tokens, 1.0) / world_size())
+    entropy_tok = entropy_from_logits(logits)  # (b, Tr)
+    counters.add("actor/entropy", masked_mean(entropy_tok, mask).detach(), n_tok)
+    if algo.entropy_coef > 0:  # token-level, over the mini-batch's tokens (see _normalizer)
+        loss = loss - algo.entropy_coef * L.entropy_bonus(entropy_tok, mask, max(norms.tokens, 1.0) / world_size())
     if p.ref_logp is not None:
-        delta = p.ref_logp - logp
-        kl = L.aggregate(torch.where(mask > 0, delta.exp() - delta - 1.0, torch.zeros_like(delta)),
-                         mask > 0, algo.aggregation, norm)  # k3 estimate of KL(pi_theta || pi_ref)
+        kl = L.kl_penalty(logp, p.ref_logp, mask, algo.aggregation, norm)  # k3 estimate of KL(pi_theta || pi_ref)
         counters.add("actor/kl_ref", kl.detach() * norm / _local_count(algo.aggregation, mask), n_tok)
         loss = loss + algo.kl_coef * kl
     n_pos = float((mb.correct.to(mask.dtype)[:, None] * mask).sum())

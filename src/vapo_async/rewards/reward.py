@@ -119,13 +119,15 @@ class RewardConfig:
 
 
 def overlong_penalty(num_tokens: int, max_len: int, cache_len: int) -> float:
-    """R_len(|y|) of DAPO's soft overlong punishment (PAPER.md, DAPO bullet); values in [-1, 0]."""
-    threshold = max_len - cache_len
-    if num_tokens <= threshold:
-        return 0.0
-    if num_tokens <= max_len:
-        return (threshold - num_tokens) / cache_len
-    return -1.0
+    """R_len(|y|) of DAPO's soft overlong punishment (PAPER.md, DAPO bullet) for one response;
+    values in [-1, 0]. The formula lives once, in ``vapo_async.algo.advantages.overlong_penalty``
+    (imported here, on first use: ``vapo_async.rewards`` stays free of torch at import)."""
+    import torch
+
+    from vapo_async.algo.advantages import overlong_penalty as algo_overlong_penalty
+
+    lengths = torch.tensor([num_tokens], dtype=torch.int64)
+    return float(algo_overlong_penalty(lengths, max_len, cache_len, dtype=torch.float64)[0])
 
 
 RewardCallable = Callable[[str, str, int], "Score | float"]

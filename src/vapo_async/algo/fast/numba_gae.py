@@ -9,7 +9,7 @@ written, in compiled code (numba):
 where V_next and A_next belong to the next *valid* token of the row (0 after the last one). Each
 input element is read once and each output written once, so the cost is one pass over memory
 (~1.4 ns per element on one core here, within ~1.1x of a plain copy of the same bytes; the
-blocked matmul scan of ``vapo_async.algo.scan`` makes several passes).
+blocked matmul scan of ``vapo_async.algo.fast.torch_gae`` makes several passes).
 Padding (mask 0) is never read: its outputs are written 0 whatever it holds (NaN included).
 
 Choices (numerics and threading):
