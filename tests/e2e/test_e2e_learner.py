@@ -68,6 +68,11 @@ def test_fsdp_learner_with_generator_runs_and_resumes(tiny_model_dir, tmp_path):
         assert scalars["rollout/token_version_min"][done] == done - 1
         assert scalars["rollout/token_version_max"][done] == done - 1
         assert scalars["async/staleness_mean"][done] == 0.0
+        # every token is fresh (staleness 0): the fp32 generator and the fp32 learner agree on its
+        # log-prob to rounding (measured 2026-12-06: kl ~5e-14, max |dlogp| 9.5e-7 = 2^-20)
+        assert scalars["mismatch/tokens"][done] == scalars["rollout/response_tokens"][done]
+        assert scalars["mismatch/kl"][done] < 1e-10, scalars["mismatch/kl"]
+        assert scalars["mismatch/abs_logp_max"][done] < 1e-4, scalars["mismatch/abs_logp_max"]
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     assert saved["global_step"] == 3 and saved["vapo"]["version"] == 3
     assert saved["callbacks"], "controller state missing from the checkpoint"
@@ -84,3 +89,27 @@ def test_fsdp_learner_with_generator_runs_and_resumes(tiny_model_dir, tmp_path):
     final = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     assert final["global_step"] == 4 and final["vapo"]["version"] == 4
     assert (run_dir / "weights" / "v00000004" / "model.safetensors").is_file()
+
+
+def test_a_bf16_generator_shows_as_mismatch(tiny_model_dir, tmp_path):
+    """The same synchronous run with the generator in bfloat16 against the fp32 learner: the
+    mismatch figures rise by orders of magnitude over the fp32 pair's, and the learner says so.
+    Measured 2026-12-06 on the tiny Qwen2: kl ~8e-7 (fp32 pair ~5e-14), max |dlogp| ~4e-3 (9.5e-7),
+    mean |dlogp| ~1e-3 (2e-7); k3 is second order in dlogp, hence the small KL."""
+    run_dir = tmp_path / "run"
+    proc = _learner(run_dir, [
+        f"model.path={tiny_model_dir}", "trainer.accelerator=cpu", "trainer.devices=1",
+        "algo.batch_groups=4", "algo.group_size=4", "algo.mini_batches=1", "algo.value_warmup_steps=0",
+        "algo.warmup_steps=0", "algo.eta=0", "sampling.max_tokens=16", "eval.every_n_steps=0",
+        "data.n_train=64", "data.n_eval=8", f"controller.transport.endpoint=ipc://{tmp_path}/ctl",
+        "trainer.max_steps=2", "trainer.enable_progress_bar=false", "generators.max_prompts=4",
+        "generators.overrides=['engine.dtype=bfloat16']", "logging.mismatch_warn_kl=1e-8"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    scalars = _scalars(run_dir / "tb")
+    for step in (1, 2):
+        assert scalars["mismatch/tokens"][step] == scalars["rollout/response_tokens"][step]
+        assert scalars["mismatch/kl"][step] > 1e-8, scalars["mismatch/kl"]  # fp32 pair: < 1e-10 (test above)
+        assert scalars["mismatch/abs_logp_max"][step] > 1e-3, scalars["mismatch/abs_logp_max"]  # fp32: < 1e-4
+        assert scalars["mismatch/abs_logp_mean"][step] > 1e-4, scalars["mismatch/abs_logp_mean"]
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert log.count("log-prob mismatch KL") == 1, log[-3000:]  # once per crossing, not every step
