@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,6 +41,28 @@ def _scalars(tb_dir: Path) -> dict[str, dict[int, float]]:
         for tag in mux.GetAccumulator(run).Tags()["scalars"]:
             out.setdefault(tag, {}).update({e.step: e.value for e in mux.Scalars(run, tag)})
     return out
+
+
+def _histograms_and_text(tb_dir: Path) -> tuple[dict[str, dict[int, Any]], dict[str, dict[int, str]]]:
+    """Histograms (tag -> step -> HistogramValue) and text summaries (tag -> step -> markdown), read
+    back with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+    from tensorboard.util import tensor_util
+
+    mux = EventMultiplexer(size_guidance={"histograms": 0, "tensors": 0})
+    mux.AddRunsFromDirectory(str(tb_dir))
+    mux.Reload()
+    hist: dict[str, dict[int, Any]] = {}
+    text: dict[str, dict[int, str]] = {}
+    for run in mux.Runs():
+        acc = mux.GetAccumulator(run)
+        for tag in acc.Tags()["histograms"]:
+            hist.setdefault(tag, {}).update({e.step: e.histogram_value for e in acc.Histograms(tag)})
+        for tag in acc.Tags()["tensors"]:
+            for e in acc.Tensors(tag):
+                value = tensor_util.make_ndarray(e.tensor_proto).reshape(-1)[0]
+                text.setdefault(tag, {})[e.step] = value.decode() if isinstance(value, bytes) else str(value)
+    return hist, text
 
 
 def test_fsdp_learner_with_generator_runs_and_resumes(tiny_model_dir, tmp_path):
@@ -73,6 +96,22 @@ def test_fsdp_learner_with_generator_runs_and_resumes(tiny_model_dir, tmp_path):
         assert scalars["mismatch/tokens"][done] == scalars["rollout/response_tokens"][done]
         assert scalars["mismatch/kl"][done] < 1e-10, scalars["mismatch/kl"]
         assert scalars["mismatch/abs_logp_max"][done] < 1e-4, scalars["mismatch/abs_logp_max"]
+    # health read back: histograms and sample text of every step (histograms/text every step)
+    hist, text = _histograms_and_text(run_dir / "tb")
+    for done in (1, 2, 3):
+        stale, weight = hist["async/staleness"][done], hist["actor/behav_weight"][done]
+        # one entry per response token; eta = 0: every staleness is 0, so min = max = sum = 0
+        assert stale.num == scalars["rollout/response_tokens"][done]
+        assert stale.min == stale.max == stale.sum == 0.0
+        # one behaviour weight pi_prox / pi_behav per token of rank 0 (its share of the batch: 128 of
+        # 243-256 here); fp32 pair at equal version: all 1 to rounding (measured 1 +- 1e-6)
+        assert 0 < weight.num <= scalars["rollout/response_tokens"][done]
+        assert abs(weight.min - 1) < 1e-4 and abs(weight.max - 1) < 1e-4
+        assert weight.sum == pytest.approx(weight.num, rel=1e-5)
+        sample = text["samples/responses/text_summary"][done]
+        # logging.text_samples = 4 groups of this step's 4, each with its prompt, reward and correctness
+        assert sample.count("**prompt**") == 4 and sample.count("**response** (reward ") == 4, sample[:2000]
+        assert sample.count("correct True") + sample.count("correct False") == 4
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     assert saved["global_step"] == 3 and saved["vapo"]["version"] == 3
     assert saved["callbacks"], "controller state missing from the checkpoint"
