@@ -188,11 +188,20 @@ def _job_config(hydra: Any, config_name: str, overrides: list[str]) -> LearnerCo
                                     with_log_configuration=False)
         with read_write(dcfg), open_dict(dcfg):
             del dcfg["hydra"]  # what the task function receives
-        return OmegaConf.to_object(dcfg)  # type: ignore[return-value]
+        return _typed(dcfg)
     except ConfigError:
         raise
     except Exception as e:  # reported as one line and exit code 2 by main()
         raise ConfigError(one_line(e)) from e
+
+
+def _typed(dcfg: DictConfig) -> LearnerConfig:
+    """The ``LearnerConfig`` object of a composed ``learner_schema`` config."""
+    cfg = OmegaConf.to_object(dcfg)
+    if not isinstance(cfg, LearnerConfig):
+        raise ConfigError(f"the composed config is a {type(cfg).__name__}, not a LearnerConfig "
+                          "(the primary config must build on learner_schema)")
+    return cfg
 
 
 def _validated(cfg: LearnerConfig) -> LearnerConfig:
@@ -222,7 +231,9 @@ def _sweep_jobs(hydra: Any, config_name: str, overrides: list[str]) -> list[list
         if sweeper._target_ != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
             return []
         params = [f"{k}={v}" for k, v in (sweeper.params or {}).items()]
-        task = list(OmegaConf.to_container(dcfg.hydra.overrides.task, resolve=False))  # type: ignore[arg-type]
+        task = OmegaConf.to_container(dcfg.hydra.overrides.task, resolve=False)  # overrides as typed
+        if not isinstance(task, list):
+            raise ConfigError(f"hydra.overrides.task is a {type(task).__name__}, not a list")
         parsed = OverridesParser.create(config_loader=hydra.config_loader).parse_overrides(params + task)
         return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
     except Exception as e:
@@ -245,7 +256,7 @@ def _hydra_main(dcfg: DictConfig) -> None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     logs = open_run_logs(run_dir)
     try:
-        cfg: LearnerConfig = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
+        cfg = _typed(dcfg)
         if hydra_cfg.mode == RunMode.MULTIRUN:
             check_sweep_job(cfg)
         run(cfg, run_dir)

@@ -87,9 +87,9 @@ class TensorBoardMetrics(Callback):
         held_out = self.state.held_out  # the latest held-out accuracy, for the progress bar only
         if held_out is not None and "eval/accuracy" in held_out:
             shown["eval/accuracy"] = held_out["eval/accuracy"]
-        for key, name in PROGRESS.items():
-            if key in shown:
-                pl_module.log(name, shown[key], prog_bar=True, logger=False, rank_zero_only=True)
+        for key, name in PROGRESS.items():  # batch_size: one value per step (Lightning cannot infer it
+            if key in shown:                # from a step that takes ``dataloader_iter``)
+                pl_module.log(name, shown[key], prog_bar=True, logger=False, rank_zero_only=True, batch_size=1)
         if trainer.global_rank != 0 or trainer.logger is None:
             return
         writer = trainer.logger.experiment

@@ -19,7 +19,8 @@ Lightning, and where this module steps around it:
   IterableDataset of this rank's batches, and ``training_step`` takes Lightning's
   ``dataloader_iter``, so that the batch is pulled when the step starts and never prefetched (see
   rollouts.py: a prefetch would deadlock admission control at ``algo.eta = 0``). Lightning marks
-  that signature experimental and warns once per fit; the warning is filtered here.
+  that signature experimental and warns at every fit; those two warnings are filtered here.
+  Lightning cannot infer a batch size from such a step: ``self.log`` calls pass ``batch_size=1``.
 - State: the run's counters live in one ``state.RunState``; the callbacks get the same object
   from ``__main__.run`` and read it (none reads attributes of this module).
 - Workaround, ``advance_global_step``: Lightning's manual optimisation counts
@@ -64,8 +65,10 @@ log = logging.getLogger("vapo_async.learner")
 WEIGHT_DECAY = 0.0
 """AdamW weight decay (the papers do not state one; RL fine-tuning commonly uses none)."""
 
-# Lightning's note that the dataloader_iter signature is experimental (chosen on purpose: see above)
+# Lightning's two notes at every fit that the dataloader_iter signature is experimental (chosen on
+# purpose, see above; the step takes exactly one batch, and no callback reads batch_idx)
 warnings.filterwarnings("ignore", message="Found `dataloader_iter` argument in the `training_step`")
+warnings.filterwarnings("ignore", message="You are using the `dataloader_iter` step flavor")
 
 
 def advance_global_step(trainer: L.Trainer) -> None:

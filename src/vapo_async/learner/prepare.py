@@ -114,8 +114,8 @@ def build_trainer(cfg: LearnerConfig, run_dir: Path) -> tuple[L.Trainer, StepPro
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from vapo_async.learner.trainer_config import trainer_kwargs
     from vapo_async.learner.console import StepProgressBar
+    from vapo_async.learner.trainer_config import trainer_kwargs
 
     strategy, precision = build_strategy(cfg)
     logger = TensorBoardLogger(save_dir=str(run_dir), name="tb", version="", default_hp_metric=False)

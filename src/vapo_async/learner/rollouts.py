@@ -14,6 +14,7 @@ Every rank iterates (the stream's scatter is a collective); only rank 0 holds a 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -58,6 +59,6 @@ class RolloutBatches(IterableDataset[LocalBatch]):
         return self.stream
 
 
-def _as_is(batch: LocalBatch) -> LocalBatch:
+def _as_is(batch: Any) -> Any:
     """No collation: the stream already built the batch (on the rank's device)."""
     return batch
