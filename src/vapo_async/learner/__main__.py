@@ -4,10 +4,10 @@ Setup -> run -> cleanup:
 1. Setup: compose and check the config (an invalid override or value ends with a one-line error
    naming the key, exit code 2; a ``-m`` sweep checks every job first); route logging
    (``console.py``: progress bar and the project's lines on the console, the rest in
-   ``RUN_DIR/logs/``); resolve the model (build/reuse the tiny base when
-   ``model.path`` is null); build the LightningModule, the callbacks (runtime, metrics, checkpoints,
-   held-out eval), the TensorBoard logger under ``RUN_DIR/tb`` and the Trainer. Print the
-   TensorBoard command.
+   ``RUN_DIR/logs/``); then ``prepare.py``: resolve the model (build/reuse the tiny base when
+   ``model.path`` is null), the LightningModule, the TensorBoard logger under ``RUN_DIR/tb`` and
+   the Trainer, and the callbacks (runtime, metrics, checkpoints, held-out eval), each handed the
+   module's ``RunState``. Print the TensorBoard command.
 2. Run: ``trainer.fit`` (from ``RUN_DIR/checkpoints/last.ckpt`` with ``resume=true``).
 3. Cleanup: local generators and the controller stop (also on errors: the runtime callback's
    ``on_exception``/``teardown``); the weight writer thread is joined.
