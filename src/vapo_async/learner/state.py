@@ -1,14 +1,16 @@
 """The run's state: what the learner has done so far, in one typed object.
 
 ``LearnerModule`` owns one ``RunState`` and is the only writer of its counters (``training_step``
-advances ``step`` and ``version``); ``__main__.run`` hands the same object to the callbacks that
-report or save the run, which read it instead of attributes of the module:
+advances ``step`` and ``version``); ``prepare.build_callbacks`` hands the same object to the
+callbacks that report or save the run, which read it instead of attributes of the module:
 
-- ``runtime.Runtime``: nothing but the version it announces (through the module's
-  ``publish_current``, which records ``weights``);
 - ``metrics.TensorBoardMetrics``: ``last`` (the step's record) and ``held_out`` (progress bar);
 - ``checkpoint.Checkpointing``: ``step``, ``version`` and the optimiser fingerprints;
 - ``evaluation.HeldOutEval``: ``step``, ``version`` and ``weights``; it writes ``held_out``.
+
+The ``Runtime`` reads none of it: it gives the module's ``rollouts`` their source and asks the
+module to publish the current version (``publish_current``, which records ``weights``) before it
+announces that version. ``rollouts.RolloutBatches`` reads ``step`` and ``version`` at each pull.
 
 The checkpoint's ``vapo`` section is ``to_checkpoint()`` (the module adds the torch RNG state);
 ``restore`` reads it back on resume.
