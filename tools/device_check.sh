@@ -122,8 +122,7 @@ if profile:  # time the three phases of a step (synchronised), wrapping the modu
 
     for name in ("recompute", "compute_advantages", "ppo_updates"):
         setattr(lm, name, timed(name, getattr(lm, name)))
-module = LearnerModule(cfg, str(tmp / "model"), tmp / "run")
-module.source = ListSource(groups)
+module = LearnerModule(cfg, str(tmp / "model"), tmp / "run", source=ListSource(groups))
 trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision="32-true",
                     strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
                     max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
@@ -135,7 +134,7 @@ class Timer(L.Callback):
     prof = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if profile and batch_idx == min(2, steps - 1):
+        if profile and module.state.step == min(2, steps - 1):  # steps done = this step's index
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
             self.prof = torch.profiler.profile(activities=acts)
             self.prof.__enter__()
@@ -152,10 +151,10 @@ class Timer(L.Callback):
                 print(f"profiled step: CUDA kernels busy {busy:.2f} s in total", flush=True)
             print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60), flush=True)
             self.prof = None
-        m = pl_module.last.metrics
+        m = module.state.last.metrics
         step_s.append(m["perf/step_s"])
         update_s.append(m["perf/update_s"])
-        print(f"step {pl_module.last.step}: {m['perf/step_s']:.2f} s (update {m['perf/update_s']:.2f} s, "
+        print(f"step {module.state.last.step}: {m['perf/step_s']:.2f} s (update {m['perf/update_s']:.2f} s, "
               f"publish {m['perf/publish_s']:.2f} s), padding {m.get('perf/padding_fraction', 0):.1%}"
               + "".join(f", {k} {v[-1]:.2f} s" for k, v in phases.items() if v), flush=True)
 

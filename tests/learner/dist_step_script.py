@@ -20,9 +20,9 @@ def build(model_dir: str, run_dir: str, strategy: str, devices: int):
     from learner_helpers import make_groups
 
     from vapo_async.algo.presets import preset
-    from vapo_async.learner.__main__ import build_strategy
     from vapo_async.learner.config import LearnerConfig
     from vapo_async.learner.module import LearnerModule
+    from vapo_async.learner.prepare import build_strategy
     from vapo_async.learner.stream import ListSource
 
     cfg = LearnerConfig()
@@ -33,9 +33,8 @@ def build(model_dir: str, run_dir: str, strategy: str, devices: int):
     cfg.trainer.accelerator = "cpu"
     cfg.batching.micro_batch_tokens = 48
     cfg.sampling.temperature = 0.8
-    module = LearnerModule(cfg, model_dir, run_dir)
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        module.source = ListSource(make_groups(4, 4, vocab=300, seed=21))
+    rank0 = os.environ.get("LOCAL_RANK", "0") == "0"
+    module = LearnerModule(cfg, model_dir, run_dir, source=ListSource(make_groups(4, 4, vocab=300, seed=21)) if rank0 else None)
     lstrategy, precision = build_strategy(cfg)
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=lstrategy, precision=precision, max_steps=1,

@@ -15,8 +15,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from vapo_async.algo.presets import PRESETS
-from vapo_async.learner.__main__ import CONF_DIR, build_strategy, check_overrides
-from vapo_async.learner.config import ConfigError, LearnerConfig, trainer_kwargs
+from vapo_async.learner.__main__ import CONF_DIR, check_overrides
+from vapo_async.learner.config import ConfigError, LearnerConfig
+from vapo_async.learner.prepare import build_strategy
+from vapo_async.learner.trainer_config import trainer_kwargs
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 

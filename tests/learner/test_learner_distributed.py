@@ -23,7 +23,7 @@ def _single_device(model_dir: Path, run_dir: Path) -> tuple[dict, dict]:
     module, trainer = build(str(model_dir), str(run_dir), "single", 1)
     trainer.fit(module)
     module.publishing.close()
-    assert module.version == 1
+    assert module.state.version == 1
     return load_file(str(run_dir / "weights" / "v00000001" / "model.safetensors")), critic_state(module)
 
 

@@ -25,8 +25,7 @@ def _fit(model_dir, run_dir, steps: int, groups=None, **algo) -> LearnerModule:
     cfg.batching.micro_batch_tokens = 64
     cfg.sampling.max_tokens = 14
     cfg.reward.overlong_cache_tokens = 4
-    module = LearnerModule(cfg, str(model_dir), run_dir)
-    module.source = ListSource(groups or make_groups(6, 4, vocab=300, seed=5))
+    module = LearnerModule(cfg, str(model_dir), run_dir, source=ListSource(groups or make_groups(6, 4, vocab=300, seed=5)))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, num_sanity_val_steps=0)
@@ -38,33 +37,33 @@ def _fit(model_dir, run_dir, steps: int, groups=None, **algo) -> LearnerModule:
 @pytest.mark.parametrize("name", ["ppo", "grpo", "dapo"])
 def test_every_preset_trains_and_publishes(name, tiny_model_dir, tmp_path):
     module = _fit(tiny_model_dir, tmp_path, 2, name=name)
-    assert module.version == 2
+    assert module.state.version == 2
     assert (module.critic is None) == (name != "ppo")
     opts = module.optimizers()
     assert len(opts if isinstance(opts, list) else [opts]) == (2 if name == "ppo" else 1)
     assert (tmp_path / "weights" / "v00000002" / "model.safetensors").is_file()
-    assert module.last.metrics["train/actor_optimizer_steps"] == 2.0  # 2 mini-batches
-    assert "actor/pg_loss" in module.last.metrics
-    assert ("critic/value_loss" in module.last.metrics) == (name == "ppo")
+    assert module.state.last.metrics["train/actor_optimizer_steps"] == 2.0  # 2 mini-batches
+    assert "actor/pg_loss" in module.state.last.metrics
+    assert ("critic/value_loss" in module.state.last.metrics) == (name == "ppo")
 
 
 def test_value_pretraining_publishes_nothing_and_stops_on_threshold(tiny_model_dir, tmp_path):
     module = _fit(tiny_model_dir, tmp_path / "a", 3, value_warmup_steps=3)
-    assert module.version == 0 and not (tmp_path / "a" / "weights" / "v00000001").exists()
-    assert module.last.metrics["train/value_warmup"] == 1.0
-    assert "actor/pg_loss" not in module.last.metrics
+    assert module.state.version == 0 and not (tmp_path / "a" / "weights" / "v00000001").exists()
+    assert module.state.last.metrics["train/value_warmup"] == 1.0
+    assert "actor/pg_loss" not in module.state.last.metrics
     # threshold -100: the first warm-up step's explained variance is above it, so pretraining ends
     stopped = _fit(tiny_model_dir, tmp_path / "b", 3, value_warmup_steps=3, value_warmup_ev_threshold=-100.0)
-    assert stopped.warmup_stopped_at == 1
-    assert stopped.version == 2  # steps 2 and 3 train the actor
+    assert stopped.state.warmup_stopped_at == 1
+    assert stopped.state.version == 2  # steps 2 and 3 train the actor
 
 
 def test_nonfinite_batch_is_skipped_without_touching_weights(tiny_model_dir, tmp_path):
     groups = make_groups(3, 4, vocab=300, seed=9)
     groups[1].rewards[2] = float("nan")  # the returns / advantages of that group become NaN
     module = _fit(tiny_model_dir, tmp_path, 1, groups=groups, value_warmup_steps=0)
-    assert module.last.metrics["train/skipped_nonfinite_batch"] == 1.0
-    assert module.version == 0
+    assert module.state.last.metrics["train/skipped_nonfinite_batch"] == 1.0
+    assert module.state.version == 0
     from safetensors.torch import load_file
 
     base = load_file(str(tiny_model_dir / "model.safetensors"))

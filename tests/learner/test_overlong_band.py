@@ -88,11 +88,10 @@ def test_learner_setup_uses_the_resolved_band(tiny_model_dir, tmp_path):
                                    dynamic_sampling=False)
     cfg.batching.micro_batch_tokens = 64
     cfg.sampling.max_tokens = 14
-    module = LearnerModule(cfg, str(tiny_model_dir), tmp_path)
-    module.source = ListSource(make_groups(3, 4, vocab=300, seed=5))
+    module = LearnerModule(cfg, str(tiny_model_dir), tmp_path, source=ListSource(make_groups(3, 4, vocab=300, seed=5)))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, max_epochs=-1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, num_sanity_val_steps=0)
     trainer.fit(module)
     module.publishing.close()
-    assert module.stream.cfg.overlong == (14, 2)
+    assert module.rollouts.stream.cfg.overlong == (14, 2)

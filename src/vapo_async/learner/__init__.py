@@ -6,8 +6,13 @@
 
 Modules (one stage each):
     config      LearnerConfig and its nodes (Hydra ConfigStore ``learner_schema``)
-    __main__    setup -> run -> cleanup; one-line configuration errors (exit code 2)
+    trainer_config  the ``trainer`` node: every lightning.Trainer argument, typed
+    errors      ConfigError and its one-line message
+    __main__    setup -> run -> cleanup; the command-line check (one-line errors, exit code 2)
+    prepare     setup: model directory, data, threads, strategy, Trainer, callbacks
     module      LearnerModule: the training step (thin; maths in update, algo)
+    state       RunState: step, version, latest step record; owned by the module, read by callbacks
+    rollouts    RolloutBatches: the endless IterableDataset of rollout batches the step pulls from
     update      recompute pi_prox/values, decoupled GAE, PPO mini-batch updates on one rank
     batching    groups -> sequences -> mini-batches, token-balanced rank shares, micro-batches
     stream      rank 0 pulls groups from the controller; every rank gets its share (tensor scatter)

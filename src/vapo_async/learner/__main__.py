@@ -4,10 +4,10 @@ Setup -> run -> cleanup:
 1. Setup: compose and check the config (an invalid override or value ends with a one-line error
    naming the key, exit code 2; a ``-m`` sweep checks every job first); route logging
    (``console.py``: progress bar and the project's lines on the console, the rest in
-   ``RUN_DIR/logs/``); resolve the model (build/reuse the tiny base when
-   ``model.path`` is null); build the LightningModule, the callbacks (runtime, metrics, checkpoints,
-   held-out eval), the TensorBoard logger under ``RUN_DIR/tb`` and the Trainer. Print the
-   TensorBoard command.
+   ``RUN_DIR/logs/``); then ``prepare.py``: resolve the model (build/reuse the tiny base when
+   ``model.path`` is null), the LightningModule, the TensorBoard logger under ``RUN_DIR/tb`` and
+   the Trainer, and the callbacks (runtime, metrics, checkpoints, held-out eval), each handed the
+   module's ``RunState``. Print the TensorBoard command.
 2. Run: ``trainer.fit`` (from ``RUN_DIR/checkpoints/last.ckpt`` with ``resume=true``).
 3. Cleanup: local generators and the controller stop (also on errors: the runtime callback's
    ``on_exception``/``teardown``); the weight writer thread is joined.
@@ -39,117 +39,37 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from vapo_async.learner.config import ConfigError, LearnerConfig, register_configs
+from vapo_async.learner.config import LearnerConfig, register_configs
+from vapo_async.learner.errors import ConfigError, one_line
+from vapo_async.learner.prepare import (
+    build_callbacks,
+    build_trainer,
+    cpu_threads,
+    device_count,
+    load_data,
+    resolve_model,
+)
 
 log = logging.getLogger("vapo_async.learner")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 CONFIG_NAME = "learner"
 
 
-def resolve_model(cfg: LearnerConfig) -> str:
-    """The base model directory: ``model.path``, or the tiny base built/reused from ``model.tiny``."""
-    if cfg.model.path is None:
-        from vapo_async.data.tiny_base import ensure_tiny_base
-
-        return str(ensure_tiny_base(cfg.model.tiny_base_config()))
-    path = Path(cfg.model.path).expanduser()
-    if not path.exists() and cfg.model.path.count("/") == 1:  # a hub id: the local snapshot (cached or fetched)
-        from huggingface_hub import snapshot_download
-
-        try:
-            path = Path(snapshot_download(cfg.model.path))
-        except Exception as e:  # offline, unknown id, ...: one line naming the key
-            raise ConfigError(f"model.path={cfg.model.path}: no local directory and the hub download failed "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model.path={cfg.model.path}: not a Hugging Face model directory (no config.json)")
-    return str(path)
-
-
-def load_data(cfg: LearnerConfig) -> tuple[list[Any], list[Any]]:
-    """(train prompts, held-out prompts for ``eval``); a missing or malformed dataset is a
-    ConfigError naming the file and line."""
-    from vapo_async.data import DatasetError, load_prompts
-
-    try:
-        train = load_prompts(cfg.data, "train")
-        held_out = load_prompts(cfg.eval.data or cfg.data, "eval")[: cfg.eval.n_prompts] \
-            if cfg.eval.every_n_steps > 0 else []
-    except (DatasetError, OSError) as e:
-        raise ConfigError(f"data: {one_line(e)}") from e
-    if not train:
-        raise ConfigError(f"data.name={cfg.data.name}: the train split has no prompts")
-    if cfg.eval.every_n_steps > 0 and not held_out:
-        source = cfg.eval.data or cfg.data
-        raise ConfigError(f"eval.every_n_steps={cfg.eval.every_n_steps} but {source.name} has no eval split "
-                          "(set eval.data to a dataset with one, or eval.every_n_steps=0)")
-    return train, held_out
-
-
-def device_count(accelerator: str, devices: Any) -> int:
-    """Processes per node that ``trainer.devices`` asks for (list, int, "auto" or -1)."""
-    import torch
-
-    if isinstance(devices, (list, tuple)):
-        return len(devices)
-    if isinstance(devices, str) and devices.isdigit():
-        return int(devices)
-    if isinstance(devices, int) and devices > 0:
-        return devices
-    gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    return max(torch.cuda.device_count(), 1) if gpu else 1
-
-
-def cpu_threads(cfg: LearnerConfig) -> int | None:
-    """torch threads per learner process (``threads``; see its docstring for the automatic value)."""
-    import torch
-
-    if cfg.threads is not None:
-        return cfg.threads
-    gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
-    if gpu:
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, (cores - cfg.generators.local) // device_count("cpu", cfg.trainer.devices))
-
-
-def build_strategy(cfg: LearnerConfig) -> tuple[Any, str]:
-    """(Lightning strategy, Lightning precision) for ``trainer.strategy`` / ``trainer.precision``."""
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    t = cfg.trainer
-    devices = device_count(t.accelerator, t.devices)
-    name = t.strategy
-    if name == "auto":
-        name = "single" if devices * t.num_nodes == 1 else "fsdp"
-    if name == "single":
-        return "auto", str(t.precision)
-    strategy = ModelParallelStrategy(data_parallel_size=devices * t.num_nodes, tensor_parallel_size=1,
-                                     save_distributed_checkpoint=cfg.checkpoint.distributed)
-    # FSDP2 applies bf16 itself (MixedPrecisionPolicy in models.shard); Lightning keeps fp32
-    precision = "32-true" if str(t.precision).startswith("bf16") else str(t.precision)
-    return strategy, precision
-
-
 def run(cfg: LearnerConfig, run_dir: Path) -> Any:
     """Set up and run training in ``run_dir``; returns the fitted module."""
     import lightning as L
     import torch
-    from lightning.pytorch.loggers import TensorBoardLogger
     from transformers import AutoConfig, AutoTokenizer
 
     from vapo_async.generator.orphans import arm
 
     arm()  # the evaluation engine's spawned vLLM processes die with the learner, even on SIGKILL
 
-    from vapo_async.learner.checkpoint import LAST, Checkpointing
-    from vapo_async.learner.config import trainer_kwargs, validate
-    from vapo_async.learner.console import StepProgressBar
-    from vapo_async.learner.evaluation import HeldOutEval
-    from vapo_async.learner.metrics import TensorBoardMetrics
+    from vapo_async.learner.checkpoint import LAST
+    from vapo_async.learner.config import validate
     from vapo_async.learner.module import LearnerModule
-    from vapo_async.learner.runtime import Runtime, engine_context
 
+    # setup
     validate(cfg)
     ckpt = run_dir / "checkpoints" / LAST
     if cfg.resume and not ckpt.exists():
@@ -162,28 +82,17 @@ def run(cfg: LearnerConfig, run_dir: Path) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     vocab_size = int(AutoConfig.from_pretrained(model_path).vocab_size)
     module = LearnerModule(cfg, model_path, run_dir)
-    strategy, precision = build_strategy(cfg)
-    logger = TensorBoardLogger(save_dir=str(run_dir), name="tb", version="", default_hp_metric=False)
-    kwargs = trainer_kwargs(cfg.trainer)
-    bar = StepProgressBar() if kwargs["enable_progress_bar"] else None  # given here: Lightning adds none
-    trainer = L.Trainer(**kwargs, strategy=strategy, precision=precision, callbacks=[bar] if bar else None,
-                        max_steps=cfg.trainer.max_steps, max_epochs=-1, logger=logger,
-                        default_root_dir=str(run_dir), enable_checkpointing=False, use_distributed_sampler=False)
+    trainer, bar = build_trainer(cfg, run_dir)
     rank0 = trainer.global_rank == 0
     train, held_out = load_data(cfg) if rank0 else ([], [])  # only rank 0 leases and evaluates
-    runtime = Runtime(cfg, model_path, run_dir, vocab_size, tokenizer, train)
-    trainer.callbacks.extend([
-        runtime,
-        TensorBoardMetrics(cfg.logging, tokenizer),
-        Checkpointing(run_dir / "checkpoints", cfg.checkpoint.every_n_steps, cfg.checkpoint.fingerprint),
-        HeldOutEval(cfg.eval, held_out, cfg.reward, cfg.sampling.max_tokens, model_path, tokenizer, cfg.seed,
-                    max_model_len=engine_context(held_out, tokenizer, cfg.eval.max_tokens or cfg.sampling.max_tokens)),
-    ])
+    runtime, callbacks = build_callbacks(cfg, run_dir, module, model_path, tokenizer, vocab_size, train, held_out)
+    trainer.callbacks.extend(callbacks)
     if bar is not None:  # last, so that it shows what the callbacks above logged for this step
         trainer.callbacks.remove(bar)
         trainer.callbacks.append(bar)
     if rank0 and cfg.logging.print_tensorboard_command:
         print(f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}", flush=True)
+    # run, then cleanup (also on errors)
     try:
         trainer.fit(module, ckpt_path=str(ckpt) if cfg.resume else None, weights_only=True)
     finally:
@@ -191,24 +100,9 @@ def run(cfg: LearnerConfig, run_dir: Path) -> Any:
         if module.publishing is not None:
             module.publishing.close()
     if rank0:
-        log.info("finished at step %d (policy version %d); logs in %s", module.step, module.version, run_dir / "logs")
+        log.info("finished at step %d (policy version %d); logs in %s", module.state.step, module.state.version,
+                 run_dir / "logs")
     return module
-
-
-def one_line(e: BaseException) -> str:
-    """A single line naming the problem (Hydra/OmegaConf messages span several lines)."""
-    parts = []
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        lines = [ln.strip() for ln in str(cur).splitlines() if ln.strip() and ln.strip() != "None"]
-        if lines:
-            parts.append(lines[0])
-            parts += [ln for ln in lines[1:] if ln.startswith("full_key:")]
-        cur = cur.__cause__ or cur.__context__
-    text = " | ".join(list(dict.fromkeys(parts))[:3]) or type(e).__name__
-    return text.replace("\n", " ")
 
 
 def check_overrides(overrides: list[str]) -> None:
@@ -294,11 +188,20 @@ def _job_config(hydra: Any, config_name: str, overrides: list[str]) -> LearnerCo
                                     with_log_configuration=False)
         with read_write(dcfg), open_dict(dcfg):
             del dcfg["hydra"]  # what the task function receives
-        return OmegaConf.to_object(dcfg)  # type: ignore[return-value]
+        return _typed(dcfg)
     except ConfigError:
         raise
     except Exception as e:  # reported as one line and exit code 2 by main()
         raise ConfigError(one_line(e)) from e
+
+
+def _typed(dcfg: DictConfig) -> LearnerConfig:
+    """The ``LearnerConfig`` object of a composed ``learner_schema`` config."""
+    cfg = OmegaConf.to_object(dcfg)
+    if not isinstance(cfg, LearnerConfig):
+        raise ConfigError(f"the composed config is a {type(cfg).__name__}, not a LearnerConfig "
+                          "(the primary config must build on learner_schema)")
+    return cfg
 
 
 def _validated(cfg: LearnerConfig) -> LearnerConfig:
@@ -328,7 +231,9 @@ def _sweep_jobs(hydra: Any, config_name: str, overrides: list[str]) -> list[list
         if sweeper._target_ != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
             return []
         params = [f"{k}={v}" for k, v in (sweeper.params or {}).items()]
-        task = list(OmegaConf.to_container(dcfg.hydra.overrides.task, resolve=False))  # type: ignore[arg-type]
+        task = OmegaConf.to_container(dcfg.hydra.overrides.task, resolve=False)  # overrides as typed
+        if not isinstance(task, list):
+            raise ConfigError(f"hydra.overrides.task is a {type(task).__name__}, not a list")
         parsed = OverridesParser.create(config_loader=hydra.config_loader).parse_overrides(params + task)
         return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
     except Exception as e:
@@ -351,7 +256,7 @@ def _hydra_main(dcfg: DictConfig) -> None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     logs = open_run_logs(run_dir)
     try:
-        cfg: LearnerConfig = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
+        cfg = _typed(dcfg)
         if hydra_cfg.mode == RunMode.MULTIRUN:
             check_sweep_job(cfg)
         run(cfg, run_dir)

@@ -2,7 +2,8 @@
 
 A Lightning checkpoint holds the actor and critic weights, the optimiser and LR-scheduler states
 and the loop counters (``global_step`` = training steps). On top of that:
-- the module's ``vapo`` section: step, policy version, value-pretraining state, torch RNG state;
+- the module's ``vapo`` section: the ``RunState`` (step, policy version, value-pretraining state,
+  optimiser fingerprint) and the torch RNG state;
 - the ``Runtime`` callback's state: the controller's (prompt cursor, leases, admission counters,
   version, exactly-once ledger);
 - ``optimizer_sha256``: a sha256 over every rank's optimiser state tensors, computed when saving and
@@ -26,6 +27,8 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+
+from vapo_async.learner.state import RunState
 
 log = logging.getLogger("vapo_async.learner")
 
@@ -69,12 +72,13 @@ def raw_optimizers(module: L.LightningModule) -> list[torch.optim.Optimizer]:
 class Checkpointing(Callback):
     """Save ``last.ckpt`` every ``every_n_steps`` training steps and when training ends."""
 
-    def __init__(self, dirpath: Path, every_n_steps: int, fingerprint: bool) -> None:
+    def __init__(self, dirpath: Path, every_n_steps: int, fingerprint: bool, state: RunState) -> None:
         self.dirpath = Path(dirpath)
         self.every = every_n_steps
         self.fingerprint = fingerprint
+        self.state = state
+        """The module's run state (saved through the module's ``vapo`` section)."""
         self.saved_step = -1
-        self.restored_fingerprint: str | None = None
 
     @property
     def last(self) -> Path:
@@ -82,12 +86,13 @@ class Checkpointing(Callback):
         return self.dirpath / LAST
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        saved = getattr(pl_module, "restored_optimizer_sha256", None)
+        state = self.state
+        saved = state.restored_optimizer_sha256
         if trainer.ckpt_path is None or not self.fingerprint:
             return
         now = optimizer_fingerprint(raw_optimizers(pl_module))
         ok = saved == now
-        msg = (f"resumed from {trainer.ckpt_path}: step {pl_module.step}, version {pl_module.version}; "  # type: ignore[attr-defined]
+        msg = (f"resumed from {trainer.ckpt_path}: step {state.step}, version {state.version}; "
                f"optimizer state sha256 {now[:16]} {'matches' if ok else 'DIFFERS FROM'} the checkpoint's "
                f"{(saved or 'none')[:16]}")
         if trainer.global_rank == 0:
@@ -95,24 +100,22 @@ class Checkpointing(Callback):
             print(msg, flush=True)
             if trainer.logger is not None:
                 trainer.logger.experiment.add_text("resume/optimizer_sha256", f"{now} ({'match' if ok else 'MISMATCH'})",
-                                                   pl_module.step)  # type: ignore[attr-defined]
-                trainer.logger.experiment.add_scalar("resume/optimizer_state_match", float(ok), pl_module.step)  # type: ignore[attr-defined]
+                                                   state.step)
+                trainer.logger.experiment.add_scalar("resume/optimizer_state_match", float(ok), state.step)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        step = pl_module.step  # type: ignore[attr-defined]
-        if self.every > 0 and step % self.every == 0:
+        if self.every > 0 and self.state.step % self.every == 0:
             self.save(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if pl_module.step != self.saved_step:  # type: ignore[attr-defined]
+        if self.state.step != self.saved_step:
             self.save(trainer)
 
     def save(self, trainer: L.Trainer) -> None:
         """Collective: write ``last.ckpt.tmp`` and rename it over ``last.ckpt`` (rank 0)."""
-        module = trainer.lightning_module
-        if self.fingerprint:
-            module.optimizer_sha256 = optimizer_fingerprint(raw_optimizers(module))  # type: ignore[attr-defined]
+        if self.fingerprint:  # saved in the module's ``vapo`` section, compared after a resume
+            self.state.optimizer_sha256 = optimizer_fingerprint(raw_optimizers(trainer.lightning_module))
         tmp = self.dirpath / (LAST + ".tmp")
         if trainer.global_rank == 0:
             self.dirpath.mkdir(parents=True, exist_ok=True)
@@ -130,7 +133,7 @@ class Checkpointing(Callback):
             else:
                 os.replace(tmp, self.last)
         trainer.strategy.barrier("vapo-ckpt-renamed")
-        self.saved_step = module.step  # type: ignore[attr-defined]
+        self.saved_step = self.state.step
 
 
 def _remove(path: Path) -> None:

@@ -9,18 +9,19 @@ here; any other Trainer argument can be added with ``+trainer.NAME=VALUE`` and i
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vapo_async.algo.presets import AlgoConfig
 from vapo_async.controller.config import ControllerConfig
 from vapo_async.data import DataConfig
 from vapo_async.data.tiny_base import TinyBaseConfig
+from vapo_async.learner.errors import (
+    ConfigError as ConfigError,  # re-export: callers import it here
+)
+from vapo_async.learner.trainer_config import STRATEGIES, TrainerConfig, trainer_kwargs
 from vapo_async.rewards import RewardConfig
-
-STRATEGIES = ("auto", "single", "ddp", "fsdp")
 
 
 def _mutable_mirror(cls: type, name: str) -> type:
@@ -33,7 +34,10 @@ def _mutable_mirror(cls: type, name: str) -> type:
     return mirror
 
 
-TinyModelConfig = _mutable_mirror(TinyBaseConfig, "TinyModelConfig")
+if TYPE_CHECKING:  # same fields; checkers need a static class
+    TinyModelConfig = TinyBaseConfig
+else:
+    TinyModelConfig = _mutable_mirror(TinyBaseConfig, "TinyModelConfig")
 
 
 @dataclass
@@ -50,7 +54,7 @@ class ModelConfig:
     critic_path: str | None = None
     """Reward-model directory to initialise the critic from (one-label token head); None = the
     base model's backbone with a zero value head."""
-    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # type: ignore[valid-type]
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Tiny-base build settings (used when ``path`` is None)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (saves memory on long responses)."""
@@ -193,60 +197,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class _TrainerCore:
-    """The ``lightning.Trainer`` arguments this project interprets (the rest: see TrainerConfig)."""
-
-    accelerator: str = "auto"
-    """cpu, gpu, auto."""
-    devices: Any = 1
-    """Devices (processes) per node: int, list or "auto"."""
-    num_nodes: int = 1
-    """Nodes (multi-node via torchrun or SLURM)."""
-    strategy: str = "auto"
-    """auto (single device, or fsdp on several), single, ddp (FSDP2 replicate-only mesh), fsdp
-    (FSDP2 fully_shard per block through Lightning's ModelParallelStrategy)."""
-    precision: Any = "32-true"
-    """32-true, or bf16-mixed on GPUs (FSDP2 mixed precision: bf16 compute, fp32 reduce)."""
-    max_steps: int = 200
-    """Training steps (global batches), value-pretraining steps included."""
-    log_every_n_steps: int = 1
-    """Lightning's own logging period."""
-    enable_progress_bar: bool = True
-    """Show the progress bar (step, reward, accuracy)."""
-    enable_model_summary: bool = False
-    """Print Lightning's model summary."""
-    num_sanity_val_steps: int = 0
-    """No validation loop is used."""
-
-
-OWNED_TRAINER_ARGS = ("logger", "callbacks", "plugins", "default_root_dir", "max_epochs",
-                      "enable_checkpointing", "use_distributed_sampler", "accumulate_grad_batches",
-                      "gradient_clip_val", "gradient_clip_algorithm")
-"""Trainer arguments the learner sets itself (manual optimisation, its own logger, callbacks and
-run directory); setting them is an error."""
-
-
-def _trainer_config_class() -> type:
-    """``_TrainerCore`` plus every other ``lightning.Trainer.__init__`` argument as an ``Any``
-    field with Lightning's default, so ``trainer.NAME=VALUE`` works for all of them and a typo is
-    an error."""
-    import lightning
-
-    params = inspect.signature(lightning.Trainer.__init__).parameters
-    core = {f.name for f in dataclasses.fields(_TrainerCore)}
-    extra = [(n, Any, field(default=p.default)) for n, p in params.items()
-             if n != "self" and n not in core and p.default is not inspect.Parameter.empty
-             and isinstance(p.default, (int, float, str, bool, type(None)))]
-    cls = dataclasses.make_dataclass("TrainerConfig", extra, bases=(_TrainerCore,))
-    cls.__doc__ = ("``lightning.Trainer`` arguments: the documented ones of ``_TrainerCore`` plus every "
-                   "other Trainer argument (see Lightning's Trainer docs).")
-    return cls
-
-
-TrainerConfig = _trainer_config_class()
-
-
-@dataclass
 class LearnerConfig:
     """The whole run: ``python -m vapo_async.learner [overrides]``."""
 
@@ -266,7 +216,7 @@ class LearnerConfig:
     """Local generator processes."""
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     """Micro-batching and batch assembly."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # type: ignore[valid-type]
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Lightning Trainer flags."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """TensorBoard output."""
@@ -282,31 +232,6 @@ class LearnerConfig:
     (Oversubscribed OpenMP threads wait on each other: fewer threads are faster than too many.)"""
     resume: bool = False
     """Continue from ``RUN_DIR/checkpoints/last.ckpt`` (step, version, controller, optimisers, RNG)."""
-
-
-class ConfigError(ValueError):
-    """An invalid setting; the message names the key."""
-
-
-def trainer_kwargs(trainer: Any) -> dict[str, Any]:
-    """Keyword arguments for ``lightning.Trainer`` from the ``trainer`` node, without the ones the
-    learner interprets itself (strategy, precision, max_steps) or owns (``OWNED_TRAINER_ARGS``)."""
-    values = {f.name: getattr(trainer, f.name) for f in dataclasses.fields(trainer)}
-    for key in OWNED_TRAINER_ARGS:
-        if values.get(key) is not None and key in values:
-            default = inspect.signature(_lightning_trainer().__init__).parameters[key].default
-            if values[key] != default:
-                raise ConfigError(f"trainer.{key}: set by the learner itself, cannot be overridden")
-        values.pop(key, None)
-    for key in ("strategy", "precision", "max_steps"):
-        values.pop(key)
-    return values
-
-
-def _lightning_trainer() -> type:
-    import lightning
-
-    return lightning.Trainer
 
 
 def validate(cfg: LearnerConfig) -> None:

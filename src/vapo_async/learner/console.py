@@ -24,6 +24,7 @@ Set-up -> run -> close per run (``RunLogs``), so the jobs of a ``-m`` sweep each
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing.spawn
 import os
@@ -54,6 +55,8 @@ CHILD_LOG = "eval_engine.log"
 
 _child_output: str | None = None
 """File the spawned children of this process write their stdout/stderr to (None: inherited)."""
+_spawn_wrapper: Callable[..., list[str]] | None = None
+"""The wrapper ``_redirect_spawned_children`` installed (found in the wrapper chain: idempotent)."""
 _REDIRECT = ("import os; _fd = os.open({path!r}, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644); "
              "os.dup2(_fd, 1); os.dup2(_fd, 2); os.close(_fd); del _fd; ")
 
@@ -78,7 +81,7 @@ class ConsoleFilter(logging.Filter):
         return record.levelno >= logging.WARNING
 
 
-class ConsoleHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class ConsoleHandler(logging.StreamHandler[TextIO]):
     """Writes through ``tqdm.write``, so a line lands above the progress bar, not through it."""
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -175,9 +178,10 @@ def _redirect_spawned_children() -> None:
     part of what they print (C-level warnings, progress bars, records logged before vLLM configures
     logging) never passes through Python logging. Wraps ``multiprocessing.spawn.get_command_line``
     as ``generator.orphans.arm`` does (idempotent; reads ``_child_output`` at each spawn)."""
+    global _spawn_wrapper
     fn: Any = multiprocessing.spawn.get_command_line
     while fn is not None:
-        if getattr(fn, "vapo_child_output", False):
+        if fn is _spawn_wrapper:
             return
         fn = getattr(fn, "__wrapped__", None)
     original: Callable[..., list[str]] = multiprocessing.spawn.get_command_line
@@ -190,8 +194,8 @@ def _redirect_spawned_children() -> None:
         cmd[i] = _REDIRECT.format(path=_child_output) + cmd[i]
         return cmd
 
-    get_command_line.vapo_child_output = True  # type: ignore[attr-defined]
-    get_command_line.__wrapped__ = original  # type: ignore[attr-defined]
+    functools.update_wrapper(get_command_line, original, assigned=(), updated=())  # sets __wrapped__ only
+    _spawn_wrapper = get_command_line
     multiprocessing.spawn.get_command_line = get_command_line
 
 

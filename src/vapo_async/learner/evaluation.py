@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM
 from vapo_async.data import PromptRecord
 from vapo_async.eval.metrics import score_groups, summarize
 from vapo_async.learner.config import EvalConfig
+from vapo_async.learner.state import RunState
 from vapo_async.rewards import RewardConfig, build_reward_fn
 
 log = logging.getLogger("vapo_async.learner")
@@ -142,8 +143,10 @@ class HeldOutEval(Callback):
     """Periodic held-out evaluation of the current policy version (rank 0)."""
 
     def __init__(self, cfg: EvalConfig, records: list[PromptRecord], reward: RewardConfig, max_tokens: int,
-                 base_dir: str, tokenizer: Any, seed: int, max_model_len: int = 1024) -> None:
+                 base_dir: str, tokenizer: Any, seed: int, state: RunState, max_model_len: int = 1024) -> None:
         self.cfg = cfg
+        self.state = state
+        """The module's run state: the step and version to evaluate; gets ``held_out``."""
         self.records = records[: cfg.n_prompts]
         self.reward = reward
         self.max_tokens = cfg.max_tokens or max_tokens
@@ -155,8 +158,6 @@ class HeldOutEval(Callback):
             if cfg.engine == "vllm" else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="held-out-eval")
         self._pending: Future[None] | None = None
-        self.last: dict[str, float] | None = None
-        """The latest evaluation's metrics."""
         self.history: list[tuple[int, int, float]] = []
         """(step, version, accuracy) of every evaluation."""
 
@@ -170,7 +171,7 @@ class HeldOutEval(Callback):
         last = 0 <= trainer.max_steps <= trainer.global_step
         if last:  # the last step's evaluation is never skipped, and reports before fit says it stopped
             self.wait()
-        if self.cfg.every_n_steps > 0 and pl_module.step % self.cfg.every_n_steps == 0:  # type: ignore[attr-defined]
+        if self.cfg.every_n_steps > 0 and self.state.step % self.cfg.every_n_steps == 0:
             self.run(trainer, pl_module)
         if last:
             self.wait()
@@ -203,23 +204,30 @@ class HeldOutEval(Callback):
             return
         if not self.records:
             raise ValueError("eval.every_n_steps > 0 but the eval split has no prompts")
+        state = self.state
         if self._pending is not None:
             if not self._pending.done():
                 log.warning("held-out evaluation skipped at step %d: the previous one is still running",
-                            pl_module.step)  # type: ignore[attr-defined]
+                            state.step)
                 return
             self.wait()
         if self.reward_fn is None:
             self.reward_fn = build_reward_fn(self.reward)
-        version = int(pl_module.version)  # type: ignore[attr-defined]
-        ann = pl_module.publishing.existing(version) if version > 0 else None  # type: ignore[attr-defined]
-        path = ann.path if ann is not None else self.base_dir
-        step = int(pl_module.step)  # type: ignore[attr-defined]
+        version, step = state.version, state.step
+        path = self.base_dir if version == 0 else self._published(version)
         writer = trainer.logger.experiment if trainer.logger is not None else None
         if self.cfg.background:
             self._pending = self._pool.submit(self._evaluate, path, version, step, writer)
         else:
             self._evaluate(path, version, step, writer)
+
+    def _published(self, version: int) -> str:
+        """The directory of ``version``'s published weights (``state.weights``, rank 0)."""
+        ann = self.state.weights
+        if ann is None or ann.version != version:
+            raise RuntimeError(f"held-out evaluation: version {version} has no published weights "
+                               f"(state.weights: {None if ann is None else ann.version})")
+        return ann.path
 
     def _evaluate(self, path: str, version: int, step: int, writer: Any) -> None:
         if self.vllm is not None:
@@ -229,7 +237,7 @@ class HeldOutEval(Callback):
             metrics = evaluate_dir_hf(path, self.tokenizer, self.records, self.cfg, self.max_tokens, self.reward_fn,
                                       self.seed + version)
         self.history.append((step, version, metrics["eval/accuracy"]))
-        self.last = metrics
+        self.state.held_out = metrics
         log.info("step %d (version %d): held-out avg@%d = %.3f (%.1f s)", step, version, self.cfg.samples,
                  metrics["eval/accuracy"], metrics["eval/seconds"])
         if writer is not None:  # SummaryWriter is thread-safe

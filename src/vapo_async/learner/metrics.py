@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -25,6 +26,7 @@ import numpy as np
 from lightning.pytorch.callbacks import Callback
 
 from vapo_async.learner.config import LoggingConfig
+from vapo_async.learner.state import RunState, StepRecord
 from vapo_async.learner.stream import token_staleness
 
 REQUIRED_TAGS = (
@@ -57,16 +59,21 @@ class ThroughputWindow:
 
 
 class TensorBoardMetrics(Callback):
-    """Writes the module's per-step record to TensorBoard and the progress bar."""
+    """Writes the run's latest step record (``state.last``) to TensorBoard and the progress bar."""
 
-    def __init__(self, cfg: LoggingConfig, tokenizer: Any) -> None:
+    def __init__(self, cfg: LoggingConfig, tokenizer: Any, state: RunState,
+                 source_metrics: Callable[[], dict[str, float]] | None = None) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.state = state
+        """The module's run state (step record, held-out metrics)."""
+        self.source_metrics = source_metrics
+        """Rank 0: the controller's counters, read after every step (``Runtime.controller_metrics``)."""
         self.generated = ThroughputWindow()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        rec = pl_module.last  # type: ignore[attr-defined]
+        rec = self.state.last
         if rec is None:
             return
         metrics = dict(rec.metrics)
@@ -74,17 +81,15 @@ class TensorBoardMetrics(Callback):
             gen_rate = self.generated.add(metrics.get("rollout/response_tokens", 0.0))
             if gen_rate is not None:
                 metrics["perf/generator_tokens_per_s"] = gen_rate
-            source = pl_module.source  # type: ignore[attr-defined]
-            if source is not None and hasattr(source, "metrics"):
-                metrics.update(source.metrics())
+            if self.source_metrics is not None:
+                metrics.update(self.source_metrics())
         shown = dict(metrics)
-        for cb in trainer.callbacks:  # the latest held-out accuracy, for the progress bar only
-            last = getattr(cb, "last", None)
-            if isinstance(last, dict) and "eval/accuracy" in last:
-                shown["eval/accuracy"] = last["eval/accuracy"]
-        for key, name in PROGRESS.items():
-            if key in shown:
-                pl_module.log(name, shown[key], prog_bar=True, logger=False, rank_zero_only=True)
+        held_out = self.state.held_out  # the latest held-out accuracy, for the progress bar only
+        if held_out is not None and "eval/accuracy" in held_out:
+            shown["eval/accuracy"] = held_out["eval/accuracy"]
+        for key, name in PROGRESS.items():  # batch_size: one value per step (Lightning cannot infer it
+            if key in shown:                # from a step that takes ``dataloader_iter``)
+                pl_module.log(name, shown[key], prog_bar=True, logger=False, rank_zero_only=True, batch_size=1)
         if trainer.global_rank != 0 or trainer.logger is None:
             return
         writer = trainer.logger.experiment
@@ -99,8 +104,9 @@ class TensorBoardMetrics(Callback):
         if every > 0 and rec.step % every == 0 and rec.batch is not None and rec.batch.groups:
             writer.add_text("samples/responses", self._samples(rec.batch.groups), step)
 
-    def _histograms(self, writer: Any, rec: Any, step: int) -> None:
-        stale = token_staleness(rec.batch.groups, rec.step_version)
+    def _histograms(self, writer: Any, rec: StepRecord, step: int) -> None:
+        groups = rec.batch.groups if rec.batch is not None else []
+        stale = token_staleness(groups, rec.step_version)
         if stale.size:
             writer.add_histogram("async/staleness", stale, step)
         if rec.behav_weights is not None and rec.behav_weights.numel():

@@ -82,7 +82,7 @@ def value_head(critic: nn.Module) -> nn.Linear:
     raise TypeError(f"{type(critic).__name__} has no 'score'/'classifier' linear value head")
 
 
-def blocks(model: PreTrainedModel) -> list[nn.Module]:
+def blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of ``model`` (modules whose class is in ``_no_split_modules``)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     found = [m for m in model.modules() if type(m).__name__ in names]
@@ -103,7 +103,7 @@ def shard(model: nn.Module, mesh: object, mixed_precision: torch.dtype | None = 
 
     mp = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32) \
         if mixed_precision is not None else MixedPrecisionPolicy()
-    for block in blocks(model):  # type: ignore[arg-type]
+    for block in blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
@@ -135,9 +135,9 @@ def critic_values(critic: nn.Module, mb: MicroBatch) -> torch.Tensor:
     return values.gather(1, mb.resp_index).float()
 
 
-def export_state_dict(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def export_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` (the actor's full state dict) as a Hugging Face checkpoint holds it: tied output
     embeddings dropped (safetensors refuses shared tensors; loaders re-tie them)."""
-    if getattr(model.config, "tie_word_embeddings", False):
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     return state

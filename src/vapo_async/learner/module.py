@@ -13,26 +13,46 @@ Departures (documented choices): AdamW without weight decay (the papers give non
 ``value_warmup_steps`` once the explained variance of a batch reaches
 ``algo.value_warmup_ev_threshold`` (the paper leaves the stopping rule manual); Lightning's
 ``global_step`` counts training steps here, not optimizer steps (there are several per step).
+
+Lightning, and where this module steps around it:
+- Data: ``train_dataloader`` is a real DataLoader over ``rollouts.RolloutBatches``, an endless
+  IterableDataset of this rank's batches, and ``training_step`` takes Lightning's
+  ``dataloader_iter``, so that the batch is pulled when the step starts and never prefetched (see
+  rollouts.py: a prefetch would deadlock admission control at ``algo.eta = 0``). Lightning marks
+  that signature experimental and warns at every fit; those two warnings are filtered here.
+  Lightning cannot infer a batch size from such a step: ``self.log`` calls pass ``batch_size=1``.
+- State: the run's counters live in one ``state.RunState``; the callbacks get the same object
+  from ``__main__.run`` and read it (none reads attributes of this module).
+- Workaround, ``advance_global_step``: Lightning's manual optimisation counts
+  ``LightningOptimizer.step`` calls as ``global_step``, while one training step here takes a
+  variable number of raw optimizer steps (PPO epochs x mini-batches, actor and critic, none on a
+  skipped batch) and ``trainer.max_steps``, the checkpoint's ``global_step`` and the progress bar
+  must count training steps. Lightning has no public call that counts a step, so this module
+  increments the manual-optimisation step counter (``fit_loop.epoch_loop.manual_optimization.
+  optim_step_progress``) once per training step; it is saved and restored with the loops' state.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from vapo_async.learner.batching import MicroBatch, collate, padding_micro_batch
 from vapo_async.learner.config import LearnerConfig
 from vapo_async.learner.models import load_actor, load_critic, shard
 from vapo_async.learner.publish import WeightPublishing
-from vapo_async.learner.stream import GroupSource, LocalBatch, RolloutStream, StreamConfig
+from vapo_async.learner.rollouts import RolloutBatches
+from vapo_async.learner.state import RunState, StepRecord
+from vapo_async.learner.stream import GroupSource, LocalBatch, StreamConfig
 from vapo_async.learner.update import (
     Prepared,
     batch_is_finite,
@@ -41,39 +61,22 @@ from vapo_async.learner.update import (
     ppo_updates,
     recompute,
 )
+from vapo_async.transport.messages import WeightAnnouncement
 
 log = logging.getLogger("vapo_async.learner")
 WEIGHT_DECAY = 0.0
 """AdamW weight decay (the papers do not state one; RL fine-tuning commonly uses none)."""
 
-
-class _Ticks(IterableDataset):
-    """An endless stream of placeholders: the real batch comes from the controller inside the step
-    (so that Lightning's one-batch prefetch cannot pull rollouts ahead of admission control)."""
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        while True:
-            yield torch.zeros(1)
-
-
-@dataclass
-class StepRecord:
-    """What one training step did, for the metrics callback (rank 0 holds the rollout parts)."""
-
-    step: int
-    step_version: int
-    """Policy version when the batch was pulled (staleness is measured against it)."""
-    warmup: bool
-    metrics: dict[str, float] = field(default_factory=dict)
-    batch: LocalBatch | None = None
-    behav_weights: torch.Tensor | None = None
-    """(N,) pi_prox / pi_behav of this rank's response tokens (histogram)."""
+# Lightning's two notes at every fit that the dataloader_iter signature is experimental (chosen on
+# purpose, see above; the step takes exactly one batch, and no callback reads batch_idx)
+warnings.filterwarnings("ignore", message="Found `dataloader_iter` argument in the `training_step`")
+warnings.filterwarnings("ignore", message="You are using the `dataloader_iter` step flavor")
 
 
 def advance_global_step(trainer: L.Trainer) -> None:
-    """Count one training step in Lightning's ``global_step`` (drives max_steps, logging and
-    checkpoint names). Lightning counts ``LightningOptimizer.step`` calls in manual optimisation;
-    this module steps the raw optimizers several times per training step and counts once here."""
+    """Count one training step in Lightning's ``global_step`` (drives max_steps, the progress bar
+    and the checkpoint's ``global_step``). The one workaround of this module: the reason is in
+    the module docstring."""
     progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
     progress.increment_ready()
     progress.increment_completed()
@@ -82,31 +85,22 @@ def advance_global_step(trainer: L.Trainer) -> None:
 class LearnerModule(L.LightningModule):
     """Actor/critic learner for every preset (vapo, ppo, grpo, dapo) and VAPO ablation switch."""
 
-    def __init__(self, cfg: LearnerConfig, model_path: str, run_dir: str | Path) -> None:
+    def __init__(self, cfg: LearnerConfig, model_path: str, run_dir: str | Path,
+                 source: GroupSource | None = None) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.cfg = cfg
         self.algo = cfg.algo
         self.model_path = str(model_path)
         self.run_dir = Path(run_dir)
-        self.step = 0
-        """Training steps done (= global_step)."""
-        self.version = 0
-        """Policy version of the current actor weights (0 = the base model)."""
+        self.state = RunState()
+        """The run's counters and latest records (handed to the callbacks by ``__main__.run``)."""
+        self.rollouts = RolloutBatches(self.state, source)
+        """The training data. Rank 0 needs a ``source`` before ``setup``: ``source`` here
+        (offline, tests) or the controller, which the ``Runtime`` callback gives it."""
         self._mismatch_high = False
         """The last ``mismatch/kl`` was above ``logging.mismatch_warn_kl`` (warn once per crossing)."""
-        self.warmup_stopped_at: int | None = None
-        """Step at which value pretraining ended early on the explained-variance threshold."""
-        self.source: GroupSource | None = None
-        """Rank 0: the controller (set by the runtime callback)."""
-        self.stream_health: Callable[[], None] | None = None
-        """Rank 0: raises while waiting for rollouts when none can come (set by the runtime)."""
-        self.stream: RolloutStream | None = None
         self.publishing: WeightPublishing | None = None
-        self.last: StepRecord | None = None
-        self.optimizer_sha256: str | None = None
-        """Fingerprint of the optimiser states at the last save (see checkpoint.py)."""
-        self.restored_optimizer_sha256: str | None = None
         self.actor: torch.nn.Module | None = None
         self.critic: torch.nn.Module | None = None
         self._ref: list[torch.nn.Module] = []
@@ -156,13 +150,13 @@ class LearnerModule(L.LightningModule):
         scheds = [torch.optim.lr_scheduler.LambdaLR(o, _warmup(a.warmup_steps)) for o in opts]
         return opts, scheds
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(_Ticks(), batch_size=None)
+    def train_dataloader(self) -> DataLoader[LocalBatch]:
+        return self.rollouts.loader()
 
     # ---- lifecycle ----
 
     def setup(self, stage: str) -> None:
-        if self.stream is not None:
+        if self.rollouts.stream is not None:
             return
         a = self.algo
         overlong = self.cfg.reward.overlong_band(self.cfg.sampling.max_tokens) if a.overlong_shaping else None
@@ -174,32 +168,32 @@ class LearnerModule(L.LightningModule):
             max_sampling_rounds=self.cfg.batching.max_sampling_rounds,
             group_advantage=a.advantage_estimator == "group", overlong=overlong,
             timeout_s=self.cfg.batching.batch_timeout_s, seed=self.cfg.seed)
-        self.stream = RolloutStream(scfg, self.source if self.global_rank == 0 else None,
-                                    self.global_rank, self.trainer.world_size, self.device, self.stream_health)
+        self.rollouts.open(scfg, self.global_rank, self.trainer.world_size, self.device)
         self.publishing = WeightPublishing(self.run_dir / "weights", self.model_path,
                                            self.cfg.checkpoint.keep_weights, self.global_rank)
 
     def on_train_start(self) -> None:
-        assert self.stream is not None
-        self.stream.device = self.device  # the strategy has moved the module by now
+        assert self.rollouts.stream is not None
+        self.rollouts.stream.device = self.device  # the strategy has moved the module by now
         if self.ref is not None and self._mesh() is None:
             self.ref.to(self.device)
 
     @property
     def in_value_warmup(self) -> bool:
         """Value pretraining: only the critic trains and nothing is published."""
-        return (self.critic is not None and self.step < self.algo.value_warmup_steps
-                and self.warmup_stopped_at is None)
+        return (self.critic is not None and self.state.step < self.algo.value_warmup_steps
+                and self.state.warmup_stopped_at is None)
 
     # ---- the step ----
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        assert self.stream is not None and self.publishing is not None and self.actor is not None
+    def training_step(self, dataloader_iter: Iterator[tuple[LocalBatch, int, int]]) -> None:
+        assert self.publishing is not None and self.actor is not None
+        state = self.state
         t0 = time.monotonic()
         warmup = self.in_value_warmup
-        local = self.stream.next(self.step, self.version)
+        local, _, _ = next(dataloader_iter)  # pulled now, for this step and version (rollouts.py)
         t1 = time.monotonic()
-        rec = StepRecord(self.step, self.version, warmup, batch=local)
+        rec = StepRecord(state.step, state.version, warmup, batch=local)
         metrics = rec.metrics
         actor_changed = trained = False
         if not local.empty:
@@ -208,9 +202,10 @@ class LearnerModule(L.LightningModule):
         t2 = time.monotonic()
         ann = None
         if actor_changed:
-            self.version += 1
-            ann = self.publishing.publish(self.actor, self.version)
-        self.stream.finish(ann)
+            state.version += 1
+            ann = self.publishing.publish(self.actor, state.version)
+            state.weights = ann
+        self.rollouts.finish(ann)
         t3 = time.monotonic()
         if trained:  # the warm-up counts steps that trained (a skipped batch changed nothing)
             for sched in self._schedulers(warmup):
@@ -219,14 +214,14 @@ class LearnerModule(L.LightningModule):
         metrics.update(local.stats)
         tokens = metrics.get("batch/tokens", 0.0) * self.algo.ppo_epochs
         metrics.update({
-            "train/step": float(self.step), "train/version": float(self.version),
+            "train/step": float(state.step), "train/version": float(state.version),
             "train/value_warmup": float(warmup), "perf/step_s": t3 - t0, "perf/wait_s": t1 - t0,
             "perf/update_s": t2 - t1, "perf/publish_s": t3 - t2,
             "perf/learner_idle_fraction": (t1 - t0) / max(t3 - t0, 1e-9),
             "perf/learner_tokens_per_s": tokens / max(t2 - t1, 1e-9),
         })
-        self.step += 1
-        self.last = rec
+        state.step += 1
+        state.last = rec
         advance_global_step(self.trainer)
 
     def _train_on(self, local: LocalBatch, warmup: bool, rec: StepRecord) -> bool:
@@ -237,7 +232,7 @@ class LearnerModule(L.LightningModule):
         prep = recompute(self.actor, self.critic, mbs, temperature, self.ref)
         rec.metrics.update(compute_advantages(prep, self.algo))
         if not batch_is_finite(prep):
-            log.warning("step %d: non-finite recomputed log-probs/values/advantages: batch skipped", self.step)
+            log.warning("step %d: non-finite recomputed log-probs/values/advantages: batch skipped", self.state.step)
             rec.metrics["train/skipped_nonfinite_batch"] = 1.0
             return False
         rec.metrics["train/skipped_nonfinite_batch"] = 0.0
@@ -249,23 +244,23 @@ class LearnerModule(L.LightningModule):
             self.actor, self.critic, None if warmup else opts[0],
             opts[1] if self.critic is not None else None, prep,
             [local.slots(m) for m in range(len(local.n_micro))], local.norms, self.algo, temperature,
-            train_actor=not warmup, backward=self.manual_backward, seed=self.cfg.seed * 7919 + self.step)
+            train_actor=not warmup, backward=self.manual_backward, seed=self.cfg.seed * 7919 + self.state.step)
         rec.metrics.update(counters.reduce())
         return counters.actor_steps > 0
 
     def _mismatch(self, prep: list[Prepared]) -> dict[str, float]:
         """``mismatch/*`` of this step's fresh tokens, and one warning each time the KL rises past
         ``logging.mismatch_warn_kl`` (collective)."""
-        out = mismatch(prep, self.version, self.algo.behav_cap)
+        out = mismatch(prep, self.state.version, self.algo.behav_cap)
         kl, limit = out.get("mismatch/kl"), self.cfg.logging.mismatch_warn_kl
         if kl is not None and (kl > limit) != self._mismatch_high:
             self._mismatch_high = kl > limit
             if self._mismatch_high:
                 log.warning("step %d: generator/learner log-prob mismatch KL %.3g > logging.mismatch_warn_kl=%g at "
                             "equal policy version (max |dlogp| %.3g): check engine.dtype, the sampler, the weights",
-                            self.step, kl, limit, out["mismatch/abs_logp_max"])
+                            self.state.step, kl, limit, out["mismatch/abs_logp_max"])
             else:
-                log.info("step %d: mismatch KL back to %.3g (<= %g)", self.step, kl, limit)
+                log.info("step %d: mismatch KL back to %.3g (<= %g)", self.state.step, kl, limit)
         return out
 
     def _micro_batches(self, local: LocalBatch) -> list[MicroBatch]:
@@ -301,29 +296,56 @@ class LearnerModule(L.LightningModule):
         threshold = self.algo.value_warmup_ev_threshold
         ev = metrics.get("critic/explained_variance")
         if warmup and threshold is not None and ev is not None and ev >= threshold:
-            self.warmup_stopped_at = self.step + 1
-            metrics["critic/warmup_stopped_at"] = float(self.step + 1)
+            done = self.state.step + 1
+            self.state.warmup_stopped_at = done
+            metrics["critic/warmup_stopped_at"] = float(done)
             log.warning("value pretraining stopped after %d steps: explained variance %.3f >= %.3f",
-                        self.step + 1, ev, threshold)
+                        done, ev, threshold)
 
     # ---- checkpoint ----
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["vapo"] = {
-            "step": self.step, "version": self.version, "warmup_stopped_at": self.warmup_stopped_at,
-            "torch_rng": torch.get_rng_state(),
-            "optimizer_sha256": self.optimizer_sha256,
-        }
+        checkpoint["vapo"] = {**self.state.to_checkpoint(), "torch_rng": torch.get_rng_state()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("vapo")
-        if state is None:
+        section = checkpoint.get("vapo")
+        if section is None:
             raise ValueError("checkpoint has no 'vapo' section: not written by vapo_async.learner")
-        self.step = int(state["step"])
-        self.version = int(state["version"])
-        self.warmup_stopped_at = state["warmup_stopped_at"]
-        torch.set_rng_state(state["torch_rng"])
-        self.restored_optimizer_sha256 = state.get("optimizer_sha256")
+        self.state.restore(section)
+        torch.set_rng_state(section["torch_rng"])
+
+    # ---- weights of the current version ----
+
+    def publish_current(self, resumed: bool) -> WeightAnnouncement | None:
+        """Make sure the current policy version is published (a collective; the ``Runtime`` calls
+        it at train start) and record its announcement in ``state.weights``; returns rank 0's
+        announcement. A fresh run publishes version 0 (the base), so that generators that hold no
+        model (another host, no shared filesystem) can start the run; it refuses a run directory
+        that holds an earlier run's weights. A resumed run deletes versions newer than its
+        checkpoint's and publishes that version again if it was pruned."""
+        assert self.publishing is not None and self.actor is not None
+        publishing, version = self.publishing, self.state.version
+        flags = torch.zeros(2, dtype=torch.int64)  # (missing, earlier run's weights present)
+        latest = None
+        if self.global_rank == 0:
+            if resumed:
+                publishing.remove_newer(version)
+            else:
+                flags[1] = int(bool(publishing.versions()))
+            latest = publishing.existing(version)
+            flags[0] = int(latest is None)
+        if dist.is_available() and dist.is_initialized():
+            flags = flags.to(self.device)
+            dist.broadcast(flags, src=0)
+        if int(flags[1]):
+            raise RuntimeError(f"{self.run_dir / 'weights'} holds weight versions of an earlier run: resume it "
+                               "(resume=true) or start this one in a new hydra.run.dir")
+        if int(flags[0]):
+            if resumed:
+                log.warning("weights of the restored version %d were pruned: publishing them again", version)
+            latest = publishing.publish(self.actor, version)
+        self.state.weights = latest
+        return latest
 
 
 def _warmup(steps: int) -> Any:

@@ -53,7 +53,7 @@ class WeightPublishing:
         state = full_state_dict(actor)
         if self.publisher is None:
             return None
-        ann = self.publisher.publish(version, export_state_dict(actor, state))  # type: ignore[arg-type]
+        ann = self.publisher.publish(version, export_state_dict(actor, state))
         self.last = ann
         return ann
 

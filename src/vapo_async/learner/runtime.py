@@ -1,14 +1,13 @@
 """The asynchronous runtime beside learner rank 0: the controller and the local generators.
 
 A Lightning Callback, so that it follows the Trainer's lifecycle on every rank:
-- ``setup``: rank 0 builds the ``Controller`` (not yet started) over the train prompts and hands it
-  to the module as its group source;
+- ``setup``: rank 0 builds the ``Controller`` (not yet started) over the train prompts and gives
+  it to the learner's data (``RolloutBatches``, handed over by ``__main__.run``) as its source;
 - ``load_state_dict`` (resume): the controller's saved state is kept until ``on_train_start``;
-- ``on_train_start``: makes sure the current policy version is published (a collective): a fresh
-  run publishes version 0, the base model, so that generators holding no model (other hosts, no
-  shared filesystem) can start the run; a resumed run deletes weights newer than the checkpoint
-  and re-publishes the restored version if it was pruned. Then rank 0 announces that version,
-  starts the controller and the local generators;
+- ``on_train_start``: asks the module to make sure the current policy version is published
+  (``LearnerModule.publish_current``, a collective: version 0, the base model, on a fresh run, so
+  that generators holding no model can start; a resumed run's restored version again if it was
+  pruned). Then rank 0 announces that version, starts the controller and the local generators;
 - ``teardown``/``on_exception``: generators get SIGTERM (they hand their leases back), then the
   controller stops. Generators started elsewhere keep running and reconnect to the next learner.
 """
@@ -25,8 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from vapo_async.controller.server import Controller
@@ -38,6 +35,8 @@ from vapo_async.generator.launch import (
     tail,
 )
 from vapo_async.learner.config import LearnerConfig
+from vapo_async.learner.module import LearnerModule
+from vapo_async.learner.rollouts import RolloutBatches
 from vapo_async.transport.messages import WeightAnnouncement
 
 log = logging.getLogger("vapo_async.learner")
@@ -65,7 +64,7 @@ class Runtime(Callback):
     """Controller and local generators (rank 0); weight-version repair on resume (all ranks)."""
 
     def __init__(self, cfg: LearnerConfig, model_path: str, run_dir: Path, vocab_size: int, tokenizer: Any,
-                 prompts: list[PromptRecord]) -> None:
+                 prompts: list[PromptRecord], rollouts: RolloutBatches) -> None:
         self.cfg = cfg
         self.model_path = model_path
         self.run_dir = run_dir
@@ -75,6 +74,8 @@ class Runtime(Callback):
         self.generators: list[GeneratorHandle] = []
         self.prompts = prompts
         """Rank 0: the train split (loaded by the entry point, so a bad dataset fails before training)."""
+        self.rollouts = rollouts
+        """The learner's training data: rank 0's gets the controller as its source."""
         self._restored: dict[str, Any] | None = None
 
     # ---- Lightning hooks ----
@@ -92,8 +93,8 @@ class Runtime(Callback):
                                    reward=dataclasses.asdict(cfg.reward),
                                    weights_root=str((self.run_dir / "weights").resolve()))
         self.controller = Controller(ccfg, self.prompts, cfg.algo.batch_groups, cfg.algo.eta, self.vocab_size)
-        pl_module.source = self.controller  # type: ignore[assignment]
-        pl_module.stream_health = self.check_generators  # type: ignore[assignment]
+        self.rollouts.source = self.controller
+        self.rollouts.health = self.check_generators
 
     def state_dict(self) -> dict[str, Any]:
         return {"controller": self.controller.state_dict()} if self.controller is not None else {}
@@ -102,7 +103,9 @@ class Runtime(Callback):
         self._restored = state_dict.get("controller")
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        latest = self._current_weights(trainer, pl_module, resumed=trainer.ckpt_path is not None)
+        if not isinstance(pl_module, LearnerModule):
+            raise TypeError(f"Runtime drives a LearnerModule, not a {type(pl_module).__name__}")
+        latest = pl_module.publish_current(resumed=trainer.ckpt_path is not None)
         if trainer.global_rank != 0:
             return
         assert self.controller is not None and latest is not None
@@ -171,32 +174,6 @@ class Runtime(Callback):
             out.append(f"engine.kv_cache_bytes={cfg.generators.kv_cache_bytes}")
         return out + list(cfg.generators.overrides)
 
-    def _current_weights(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                         resumed: bool) -> WeightAnnouncement | None:
-        """Make sure the current policy version is published (a collective); returns rank 0's
-        announcement of it. A fresh run publishes version 0 (the base), so that generators that
-        hold no model (another host, no shared filesystem) can start the run; it refuses a run
-        directory that holds an earlier run's weights. A resumed run deletes versions newer than
-        its checkpoint's and publishes that version again if it was pruned."""
-        version = int(pl_module.version)  # type: ignore[arg-type]
-        publishing = pl_module.publishing  # type: ignore[attr-defined]
-        flags = torch.zeros(2, dtype=torch.int64)  # (missing, earlier run's weights present)
-        latest = None
-        if trainer.global_rank == 0:
-            if resumed:
-                publishing.remove_newer(version)
-            else:
-                flags[1] = int(bool(publishing.versions()))
-            latest = publishing.existing(version)
-            flags[0] = int(latest is None)
-        if dist.is_available() and dist.is_initialized():
-            flags = flags.to(pl_module.device)
-            dist.broadcast(flags, src=0)
-        if int(flags[1]):
-            raise RuntimeError(f"{self.run_dir / 'weights'} holds weight versions of an earlier run: resume it "
-                               "(resume=true) or start this one in a new hydra.run.dir")
-        if int(flags[0]):
-            if resumed:
-                log.warning("weights of the restored version %d were pruned: publishing them again", version)
-            latest = publishing.publish(pl_module.actor, version)
-        return latest
+    def controller_metrics(self) -> dict[str, float]:
+        """Rank 0: the controller's ``controller/*`` and ``transport/*`` counters (else empty)."""
+        return self.controller.metrics() if self.controller is not None else {}

@@ -130,7 +130,8 @@ def _moments(prep: list[Prepared]) -> dict[str, float]:
     acc = torch.zeros(8, dtype=torch.float64, device=prep[0].mask.device if prep else "cpu")
     for p in prep:
         m = p.mask.double()
-        a = p.advantages.double() * m  # type: ignore[union-attr]
+        assert p.advantages is not None, "compute_advantages fills the advantages before _moments"
+        a = p.advantages.double() * m
         acc[0] += m.sum()
         acc[1] += a.sum()
         acc[2] += (a * a).sum()

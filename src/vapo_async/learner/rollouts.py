@@ -1,0 +1,64 @@
+"""The learner's training data: an endless ``IterableDataset`` of rollout batches over the stream.
+
+Each item is this rank's share of the next global batch (``stream.LocalBatch``), pulled by
+``stream.RolloutStream.next`` for the run's current step and policy version at the moment the
+training step asks for it. That moment matters: the module takes the iterator itself
+(``training_step(self, dataloader_iter)``), so Lightning fetches nothing ahead; a prefetched batch
+would be pulled before the previous step published its weights, i.e. with the wrong version for
+staleness, and with ``algo.eta = 0`` it would wait for rollouts that the controller only admits
+once that step is done (a deadlock).
+
+Every rank iterates (the stream's scatter is a collective); only rank 0 holds a ``source``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from vapo_async.learner.state import RunState
+from vapo_async.learner.stream import GroupSource, LocalBatch, RolloutStream, StreamConfig
+from vapo_async.transport.messages import WeightAnnouncement
+
+
+class RolloutBatches(IterableDataset[LocalBatch]):
+    """Endless rollout batches of one rank (see the module docstring)."""
+
+    def __init__(self, state: RunState, source: GroupSource | None = None) -> None:
+        self.state = state
+        self.source = source
+        """Rank 0: where groups come from (the controller, given by the ``Runtime`` in its
+        ``setup``; a ``ListSource`` offline and in tests)."""
+        self.health: Callable[[], None] | None = None
+        """Rank 0: raises while waiting for rollouts when none can come (the ``Runtime``'s check
+        that local generators are alive)."""
+        self.stream: RolloutStream | None = None
+
+    def open(self, cfg: StreamConfig, rank: int, world: int, device: torch.device) -> None:
+        """Build the stream (the module's ``setup``, once the rank and the world are known)."""
+        self.stream = RolloutStream(cfg, self.source if rank == 0 else None, rank, world, device, self.health)
+
+    def __iter__(self) -> Iterator[LocalBatch]:
+        while True:
+            yield self._stream().next(self.state.step, self.state.version)
+
+    def finish(self, ann: WeightAnnouncement | None) -> None:
+        """After the step: report the trained groups and the step (with its new weights) to the source."""
+        self._stream().finish(ann)
+
+    def loader(self) -> DataLoader[LocalBatch]:
+        """The DataLoader Lightning iterates: one ``LocalBatch`` per item, in this process."""
+        return DataLoader(self, batch_size=None, collate_fn=_as_is, num_workers=0)
+
+    def _stream(self) -> RolloutStream:
+        if self.stream is None:
+            raise RuntimeError("RolloutBatches: the stream is not open (LearnerModule.setup opens it)")
+        return self.stream
+
+
+def _as_is(batch: Any) -> Any:
+    """No collation: the stream already built the batch (on the rank's device)."""
+    return batch
