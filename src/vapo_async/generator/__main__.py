@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from vapo_async.common.orphans import arm, die_with_parent_forks
 from vapo_async.generator.config import GeneratorConfig, register_configs
-from vapo_async.generator.orphans import arm, die_with_parent_forks
 from vapo_async.transport.weights import WeightsError
 
 if TYPE_CHECKING:

@@ -138,7 +138,7 @@ def run(cfg: LearnerConfig, run_dir: Path) -> Any:
     from lightning.pytorch.loggers import TensorBoardLogger
     from transformers import AutoConfig, AutoTokenizer
 
-    from vapo_async.generator.orphans import arm
+    from vapo_async.common.orphans import arm
 
     arm()  # the evaluation engine's spawned vLLM processes die with the learner, even on SIGKILL
 

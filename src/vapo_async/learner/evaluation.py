@@ -110,8 +110,8 @@ class VLLMEvaluator:
 
     def evaluate(self, model_dir: str, records: list[PromptRecord], cfg: EvalConfig, max_tokens: int,
                  reward_fn: Any, seed: int) -> dict[str, float]:
+        from vapo_async.common.engine import EngineConfig
         from vapo_async.eval.runner import build_llm, sample_and_score, summarize_results
-        from vapo_async.generator.config import EngineConfig
         from vapo_async.learner.console import route_vllm_logging
 
         t0 = time.monotonic()
