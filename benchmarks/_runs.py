@@ -246,8 +246,8 @@ class PosthocEval:
         return sorted({0, last, *range(0, last + 1, self.every)})
 
     def _load(self, model_dir: str) -> None:
+        from vapo_async.common.engine import EngineConfig
         from vapo_async.eval.runner import build_llm
-        from vapo_async.generator.config import EngineConfig
 
         if self.llm is None:
             self.llm = build_llm(model_dir, EngineConfig(max_model_len=1024, seed=self.engine_seed))
