@@ -6,7 +6,6 @@
     procs       stop_processes: signal -> wait -> SIGKILL (process groups too), on psutil
     orphans     spawned vLLM processes die with the process that spawned them (Linux)
     overrides   Python values and mappings as Hydra overrides
-    hydra       compose and validate a Hydra config outside ``hydra.main``, one-line errors
 
 Nothing here imports learner/, generator/, controller/ or eval/.
 """

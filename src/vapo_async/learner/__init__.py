@@ -6,7 +6,9 @@
 
 Modules (one stage each):
     config      LearnerConfig and its nodes (Hydra ConfigStore ``learner_schema``)
-    __main__    setup -> run -> cleanup; one-line configuration errors (exit code 2)
+    errors      ConfigError: an invalid setting, printed as one line
+    model_presets  ``model.path=DIR`` alone means ``model=hf``; the tiny preset refuses a path
+    __main__    setup -> run -> cleanup; compose_config; one-line configuration errors (exit code 2)
     module      LearnerModule: the training step (thin; maths in update, algo)
     update      recompute pi_prox/values, decoupled GAE, PPO mini-batch updates on one rank
     batching    groups -> sequences -> mini-batches, token-balanced rank shares, micro-batches
@@ -14,6 +16,8 @@ Modules (one stage each):
     models      actor/critic loading, FSDP2 sharding, forward helpers
     publish     gather the actor (FSDP2 full state dict on rank 0) and publish a weight version
     runtime     controller and local generators beside rank 0 (Lightning callback)
+    launch      start/stop local generator processes (``python -m vapo_async.generator``)
+    placement   GPU devices and memory shares of the node's engines (learner, generators, eval)
     metrics     TensorBoard scalars, histograms, sampled text; progress bar
     checkpoint  last.ckpt every N steps, atomic; optimiser-state fingerprint for exact resume
     evaluation  held-out accuracy (``eval/accuracy``) every M steps

@@ -39,7 +39,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from vapo_async.learner.config import ConfigError, LearnerConfig, register_configs
+from vapo_async.learner.config import LearnerConfig, register_configs
+from vapo_async.learner.errors import ConfigError
 
 log = logging.getLogger("vapo_async.learner")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"

@@ -19,6 +19,8 @@ from vapo_async.common.sampling import SamplingConfig
 from vapo_async.controller.config import ControllerConfig
 from vapo_async.data import DataConfig
 from vapo_async.data.tiny_base import TinyBaseConfig
+from vapo_async.learner.errors import ConfigError
+from vapo_async.learner.model_presets import check_model_preset
 from vapo_async.rewards import RewardConfig
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
@@ -268,10 +270,6 @@ class LearnerConfig:
     """Continue from ``RUN_DIR/checkpoints/last.ckpt`` (step, version, controller, optimisers, RNG)."""
 
 
-class ConfigError(ValueError):
-    """An invalid setting; the message names the key."""
-
-
 def trainer_kwargs(trainer: Any) -> dict[str, Any]:
     """Keyword arguments for ``lightning.Trainer`` from the ``trainer`` node, without the ones the
     learner interprets itself (strategy, precision, max_steps) or owns (``OWNED_TRAINER_ARGS``)."""
@@ -323,8 +321,6 @@ def validate(cfg: LearnerConfig) -> None:
     if cfg.sampling.temperature <= 0:
         raise ConfigError(f"sampling.temperature={cfg.sampling.temperature}: must be > 0 (the learner "
                           "divides logits by it)")
-    from vapo_async.learner.model_presets import check_model_preset  # imports this module
-
     check_model_preset(cfg.model.name, cfg.model.path)
     if cfg.reward.overlong_shaping:
         raise ConfigError("reward.overlong_shaping=true: use algo.overlong_shaping=true instead (the learner "
