@@ -21,7 +21,6 @@ import ablation  # noqa: E402
 import staleness  # noqa: E402
 
 from vapo_async.algo.presets import PRESETS, TECHNIQUES, vapo_without  # noqa: E402
-from vapo_async.common.overrides import hydra_value  # noqa: E402
 
 
 def test_normalised_auc_hand_values() -> None:
@@ -138,11 +137,6 @@ def test_records_json_round_trip(tmp_path: Path) -> None:
     D.save_records(tmp_path / "runs.json", recs, {"budget": "quick"})
     meta, back = D.load_records(tmp_path / "runs.json")
     assert meta == {"budget": "quick"} and back == recs
-
-
-def test_hydra_value() -> None:
-    assert [hydra_value(v) for v in (None, True, False, 0.2, 8, "sequence")] == \
-        ["null", "true", "false", "0.2", "8", "sequence"]
 
 
 def test_algo_overrides_follow_the_presets() -> None:
