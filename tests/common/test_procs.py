@@ -66,7 +66,9 @@ def test_the_group_of_a_leader_is_killed_with_it() -> None:
     assert os.getpgid(child.pid) == leader.pid and child.ppid() == leader.pid
     assert stop_processes([leader], signal.SIGTERM, timeout_s=30, group=True) == [0]
     assert running([child]) == []
-    assert group_members(leader.pid) == []
+    assert group_members(leader.pid) == []  # dead and reaped
+    with pytest.raises(ProcessLookupError):
+        os.killpg(leader.pid, 0)
     assert kill_group(leader.pid) == []  # nothing left to kill
 
 

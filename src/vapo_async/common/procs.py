@@ -41,7 +41,8 @@ def running(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
 
 
 def group_members(pgid: int) -> list[psutil.Process]:
-    """The running processes of process group ``pgid``."""
+    """The processes of process group ``pgid``, zombies included (the group lasts until they are
+    reaped: ``os.killpg(pgid, 0)`` succeeds while one is left)."""
     out = []
     for p in psutil.process_iter():
         try:
@@ -49,22 +50,21 @@ def group_members(pgid: int) -> list[psutil.Process]:
                 out.append(p)
         except (ProcessLookupError, psutil.NoSuchProcess):
             continue
-    return running(out)
+    return out
 
 
 def kill_group(pgid: int, wait_s: float = 5.0) -> list[psutil.Process]:
-    """SIGKILL every process of group ``pgid`` and wait up to ``wait_s`` until they are gone;
-    returns the ones still running then (logged)."""
+    """SIGKILL every process of group ``pgid`` and wait up to ``wait_s`` until the group is gone
+    (its members dead and reaped); returns the members left then (logged)."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:  # the group is empty
         return []
     _, alive = psutil.wait_procs(group_members(pgid), timeout=wait_s)
-    left = running(alive)
-    if left:
+    if alive:
         log.warning("process group %d still has members %.0f s after SIGKILL: %s", pgid, wait_s,
-                    [p.pid for p in left])
-    return left
+                    [p.pid for p in alive])
+    return alive
 
 
 def _handle(proc: subprocess.Popen[Any] | psutil.Process) -> psutil.Process | None:
