@@ -182,3 +182,40 @@ def test_reap_reports_only_processes_that_outlive_the_settle_time() -> None:
     reaper.join()
     assert sorted(left) == [f"sleep {stuck.pid} (sleep 60)", f"sleep {deaf.pid} (sleep 61)"], left
     assert not known[stuck.pid].is_running() and not known[deaf.pid].is_running()  # stopped, reaped
+
+
+def test_run_harness_report_only_dry_run_and_resume(tmp_path, capsys, monkeypatch) -> None:
+    """The main loop ablation.py and staleness.py share: --dry-run prints the commands, --resume
+    runs only what the JSON does not hold as ok, --report-only reads the JSON back."""
+    ran: list[str] = []
+
+    def fake_run(rec: D.RunRecord, run_dir: Path, timeout_s: float, require_eval: bool = True) -> D.RunRecord:
+        ran.append(f"{rec.variant}_s{rec.seed}")
+        rec.status, rec.wall_s = "ok", 1.0
+        return rec
+
+    monkeypatch.setattr(R, "run_learner", fake_run)
+    reports: list[tuple[dict, list[str], Path]] = []
+
+    def report(meta: dict, records: list[D.RunRecord], out: Path) -> None:
+        reports.append((meta, [f"{r.variant}_s{r.seed}" for r in records], out))
+
+    def plan() -> R.Plan:
+        todo = [D.RunRecord(v, 0, [f"algo={v}"]) for v in ("vapo", "ppo")]
+        return R.Plan(todo, {"budget": "quick"}, timeout_s=60.0)
+
+    def main(*argv: str) -> None:
+        args = R.harness_parser("demo", "demo", ["quick"]).parse_args(["--out", str(tmp_path), *argv])
+        R.run_harness(args, "demo", plan, report)
+
+    main("--dry-run")
+    assert capsys.readouterr().out.splitlines() == [
+        f"python -m vapo_async.learner algo={v} seed=0 hydra.run.dir=DIR" for v in ("vapo", "ppo")]
+    assert not ran and not reports
+    D.save_records(tmp_path / "demo_runs.json", [D.RunRecord("vapo", 0, ["algo=vapo"], status="ok")], {})
+    main("--resume")
+    assert ran == ["ppo_s0"]  # vapo seed 0 is already ok in the JSON
+    meta, names, out = reports[-1]
+    assert names == ["vapo_s0", "ppo_s0"] and out == tmp_path and meta["skipped"] == [] and "total_wall_s" in meta
+    main("--report-only")
+    assert ran == ["ppo_s0"] and reports[-1][1] == ["vapo_s0", "ppo_s0"]
