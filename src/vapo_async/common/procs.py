@@ -21,7 +21,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import psutil
 
@@ -109,8 +109,11 @@ def stop_processes(procs: Sequence[subprocess.Popen[Any] | psutil.Process], sig:
             kill_group(h.pid, kill_wait_s)  # e.g. an engine core that outlived its generator
     codes: list[int | None] = []
     for proc, h in zip(procs, handles, strict=True):
-        code = getattr(h, "returncode", None) if h is not None else proc.returncode
-        if isinstance(proc, subprocess.Popen) and proc.returncode is None:
-            proc.returncode = code
+        if h is None:  # a Popen reaped before: it knows its code
+            code = cast("subprocess.Popen[Any]", proc).returncode
+        else:
+            code = getattr(h, "returncode", None)  # set by psutil.wait_procs once the process is gone
+            if isinstance(proc, subprocess.Popen) and proc.returncode is None:
+                proc.returncode = code
         codes.append(None if code is None else int(code))
     return codes
