@@ -20,17 +20,19 @@ gets seed s before any row gets seed s+1), each with a timeout; a crash is recor
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _curves as C  # noqa: E402
 import _runs as R  # noqa: E402
+from _posthoc import PosthocEval  # noqa: E402
+from _records import RunRecord, run_meta  # noqa: E402
 
 from vapo_async.algo.presets import PRESETS, TECHNIQUES, AlgoConfig, preset, vapo_without  # noqa: E402
+from vapo_async.common.overrides import hydra_value  # noqa: E402
 
 VARIANTS = ("vapo", *(f"vapo_without_{t}" for t in TECHNIQUES), "ppo", "grpo", "dapo")
 """Every row of the full ablation."""
@@ -67,8 +69,8 @@ class Budget:
     timeout_s: float
     """Per-run wall-clock limit."""
 
-    def evaluator(self) -> R.PosthocEval:
-        return R.PosthocEval(self.eval_every, self.eval_prompts, self.eval_samples)
+    def evaluator(self) -> PosthocEval:
+        return PosthocEval(self.eval_every, self.eval_prompts, self.eval_samples)
 
     def common_overrides(self, eval_mode: str) -> list[str]:
         """Overrides every row shares (steps, evaluation, quiet logging). ``eval_mode``: "posthoc"
@@ -134,16 +136,18 @@ def algo_overrides(variant: str, budget: Budget) -> list[str]:
     for f in dataclasses.fields(AlgoConfig):
         value = getattr(want, f.name)
         if f.name in BUDGET_FIELDS or value != getattr(base, f.name):
-            out.append(f"algo.{f.name}={R.hydra_value(value)}")
+            out.append(f"algo.{f.name}={hydra_value(value)}")
     return out
 
 
 def check_rows(budget: Budget) -> None:
     """Compose every row's learner config and compare its ``algo`` with ``expected_algo``; raise
     naming the first mismatch (e.g. a conf/ preset that no longer matches algo/presets.py)."""
+    from vapo_async.learner.__main__ import compose_config
+
     lrs = set()
     for variant in budget.variants:
-        cfg = R.compose_config([*algo_overrides(variant, budget), *budget.common_overrides("posthoc")])
+        cfg = compose_config([*algo_overrides(variant, budget), *budget.common_overrides("posthoc")])
         want = expected_algo(variant, budget)
         for f in dataclasses.fields(AlgoConfig):
             got = getattr(cfg.algo, f.name)
@@ -182,24 +186,24 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return sxy / (sxx * syy) ** 0.5 if sxx > 0 and syy > 0 else None
 
 
-def table(summaries: list[R.VariantSummary], threshold: float) -> str:
+def table(summaries: list[C.VariantSummary], threshold: float) -> str:
     rows = []
     for s in summaries:
         steps = "–" if s.steps_to_threshold_mean is None else f"{s.steps_to_threshold_mean:.0f}"
-        rows.append([s.variant, PAPER_AIME24.get(s.variant, "–"), R.fmt_mean_std(s.final_mean, s.final_std, 100, n=s.runs - s.crashes),
-                     R.fmt_mean_std(s.auc_mean, s.auc_std, 100, n=s.runs - s.crashes), f"{steps} ({s.reached}/{s.runs - s.crashes})",
+        rows.append([s.variant, PAPER_AIME24.get(s.variant, "–"), C.fmt_mean_std(s.final_mean, s.final_std, 100, n=s.runs - s.crashes),
+                     C.fmt_mean_std(s.auc_mean, s.auc_std, 100, n=s.runs - s.crashes), f"{steps} ({s.reached}/{s.runs - s.crashes})",
                      f"{s.crashes}/{s.runs}", "–" if s.wall_s_mean is None else f"{s.wall_s_mean / 60:.1f}"])
     header = ["row", "paper AIME24 avg@32", "final held-out avg@16 (%)", "AUC (%)",
               f"steps to >= {threshold:g} (reached/ok)", "crashed/runs", "min/run"]
-    return R.markdown_table(header, rows)
+    return C.markdown_table(header, rows)
 
 
-def reading(summaries: list[R.VariantSummary], records: list[R.RunRecord]) -> list[str]:
+def reading(summaries: list[C.VariantSummary], records: list[RunRecord]) -> list[str]:
     """Sentences computed from the data: base accuracy, ranking, each row vs VAPO, paper agreement."""
     out = []
     base = [r.curve("eval/accuracy")[0][1] for r in records if r.curve("eval/accuracy") and r.curve("eval/accuracy")[0][0] == 0]
     if base:
-        m, s = R.mean_std(base)
+        m, s = C.mean_std(base)
         out.append(f"- Base model (step 0, every run): held-out avg@16 = {100 * m:.1f} ± {100 * s:.1f} %.")
     ranked = sorted((s for s in summaries if s.final_mean is not None), key=lambda s: -s.final_mean)  # type: ignore[operator]
     out.append("- Ranking by final accuracy: " + " > ".join(f"{s.variant} ({100 * s.final_mean:.1f})" for s in ranked) + ".")  # type: ignore[operator]
@@ -228,14 +232,14 @@ def reading(summaries: list[R.VariantSummary], records: list[R.RunRecord]) -> li
     return out
 
 
-def report(meta: dict, records: list[R.RunRecord], threshold: float, out_dir: Path) -> None:
+def report(meta: dict, records: list[RunRecord], threshold: float, out_dir: Path) -> None:
     """Write ablation.md and the plots from the records."""
     variants = [v for v in meta["variants"] if any(r.variant == v for r in records)]
-    summaries = [R.summarise(v, [r for r in records if r.variant == v], threshold) for v in variants]
-    R.plot_curves({v: [r.curve("eval/accuracy") for r in records if r.variant == v and r.status == "ok"] for v in variants},
+    summaries = [C.summarise(v, [r for r in records if r.variant == v], threshold) for v in variants]
+    C.plot_curves({v: [r.curve("eval/accuracy") for r in records if r.variant == v and r.status == "ok"] for v in variants},
                   out_dir / "ablation.png", f"Held-out accuracy (avg@16), {meta['budget']} budget, mean ± std over seeds",
                   "eval/accuracy", hline=threshold)
-    R.plot_curves({v: [r.curve("rollout/accuracy") for r in records if r.variant == v and r.status == "ok"] for v in variants},
+    C.plot_curves({v: [r.curve("rollout/accuracy") for r in records if r.variant == v and r.status == "ok"] for v in variants},
                   out_dir / "ablation_rollout.png", "Training-batch accuracy (rollout/accuracy)", "rollout/accuracy")
     notes = out_dir / "ablation.notes.md"
     lines = [
@@ -265,56 +269,24 @@ def report(meta: dict, records: list[R.RunRecord], threshold: float, out_dir: Pa
 # ---- main ---------------------------------------------------------------------------------------
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--budget", choices=sorted(BUDGETS), default="quick")
+    ap = R.harness_parser(__doc__.split("\n\n")[0], "ablation", BUDGETS)
     ap.add_argument("--variants", nargs="+", help="override the budget's rows")
-    ap.add_argument("--seeds", type=int, nargs="+", help="override the budget's seeds")
-    ap.add_argument("--steps", type=int, help="override the budget's training steps")
     ap.add_argument("--threshold", type=float, default=0.6, help="held-out accuracy for 'steps to threshold'")
-    ap.add_argument("--max-minutes", type=float, help="skip runs that would end after this many minutes")
-    ap.add_argument("--resume", action="store_true", help="keep finished runs of ablation_runs.json")
-    ap.add_argument("--dry-run", action="store_true", help="check the rows and print the commands only")
-    ap.add_argument("--report-only", action="store_true", help="rebuild md/png from ablation_runs.json")
     ap.add_argument("--eval", choices=("posthoc", "learner"), default="posthoc",
                     help="held-out accuracy scored by the harness after each run (default) or by the learner")
-    ap.add_argument("--out", type=Path, default=R.RESULTS)
     args = ap.parse_args()
-    json_path = args.out / "ablation_runs.json"
-    if args.report_only:
-        meta, records = R.load_records(json_path)
-        report(meta, records, args.threshold, args.out)
-        return
-    budget = BUDGETS[args.budget]
-    budget = dataclasses.replace(budget, variants=tuple(args.variants or budget.variants),
-                                 seeds=tuple(args.seeds or budget.seeds), steps=args.steps or budget.steps)
-    check_rows(budget)
-    todo = [R.RunRecord(v, s, [*algo_overrides(v, budget), *budget.common_overrides(args.eval)])
-            for s in budget.seeds for v in budget.variants]
-    if args.dry_run:
-        for rec in todo:
-            print("python " + " ".join(R.learner_command(rec.overrides, rec.seed, Path("DIR"))[1:]))
-        return
-    done: list[R.RunRecord] = []
-    if args.resume and json_path.exists():
-        done = [r for r in R.load_records(json_path)[1] if r.status == "ok"]
-        finished = {(r.variant, r.seed) for r in done}
-        todo = [r for r in todo if (r.variant, r.seed) not in finished]
-    meta = R.run_meta(budget.name, budget.describe(), list(budget.variants))
-    meta["eval"] = args.eval
-    t0 = time.monotonic()
-    deadline = t0 + 60 * args.max_minutes if args.max_minutes else None
-    args.out.mkdir(parents=True, exist_ok=True)
-    evaluator = budget.evaluator() if args.eval == "posthoc" else None
-    try:
-        R.run_sequence(todo, done, args.out / "tmp" / "ablation", json_path, meta, budget.timeout_s, deadline,
-                       evaluator)
-    finally:
-        if evaluator is not None:
-            evaluator.close()
-    meta["total_wall_s"] = time.monotonic() - t0
-    R.save_records(json_path, done, meta)
-    report(meta, done, args.threshold, args.out)
-    print(f"wrote {args.out / 'ablation.md'}")
+
+    def plan() -> R.Plan:
+        budget = BUDGETS[args.budget]
+        budget = dataclasses.replace(budget, variants=tuple(args.variants or budget.variants),
+                                     seeds=tuple(args.seeds or budget.seeds), steps=args.steps or budget.steps)
+        check_rows(budget)
+        todo = [RunRecord(v, s, [*algo_overrides(v, budget), *budget.common_overrides(args.eval)])
+                for s in budget.seeds for v in budget.variants]
+        meta = {**run_meta(budget.name, budget.describe(), list(budget.variants)), "eval": args.eval}
+        return R.Plan(todo, meta, budget.timeout_s, budget.evaluator() if args.eval == "posthoc" else None)
+
+    R.run_harness(args, "ablation", plan, lambda meta, records, out: report(meta, records, args.threshold, out))
 
 
 if __name__ == "__main__":

@@ -29,10 +29,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from vapo_async.common.engine import EngineConfig  # noqa: E402
 from vapo_async.data import DataConfig, load_prompts, synthetic  # noqa: E402
 from vapo_async.data import tiny_base as tb  # noqa: E402
 from vapo_async.eval import ProblemResult, build_llm, evaluate, shutdown_llm  # noqa: E402
-from vapo_async.generator.config import EngineConfig  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 LINE = re.compile(r"^\((?P<i>\d+)\) (?P<verb>[a-z]+) (?P<s>[+-])(?P<k>\d+): "

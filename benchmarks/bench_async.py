@@ -89,11 +89,9 @@ def run(eta: int, steps: int, model: str, work: Path, max_tokens: int) -> dict:
     try:
         _, err = learner.communicate(timeout=3600)
     finally:
-        generator.send_signal(signal.SIGTERM)
-        try:
-            generator.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(generator.pid, signal.SIGKILL)
+        from vapo_async.common.procs import stop_processes
+
+        stop_processes([generator], signal.SIGTERM, timeout_s=60, group=True)
         gen_log.close()
     if learner.returncode != 0:
         raise RuntimeError(f"learner eta={eta} failed ({learner.returncode}):\n{err[-3000:]}")

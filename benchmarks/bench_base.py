@@ -37,10 +37,10 @@ sys.path.insert(0, str(REPO / "src"))
 
 import torch  # noqa: E402
 
+from vapo_async.common.engine import EngineConfig  # noqa: E402
 from vapo_async.data import DataConfig, load_prompts, synthetic  # noqa: E402
 from vapo_async.data import tiny_base as tb  # noqa: E402
 from vapo_async.eval import ProblemResult, build_llm, evaluate, shutdown_llm  # noqa: E402
-from vapo_async.generator.config import EngineConfig  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 TARGETS = {"format_rate": 0.95, "avg_low": 0.15, "avg_high": 0.45, "build_s": 600.0}

@@ -72,9 +72,9 @@ def run_bare(eng, ps: list[Prompt], g: int, t: int) -> tuple[int, float]:
 
 
 def run_engine(eng, ps: list[Prompt], g: int, t: int) -> tuple[int, float]:
-    from vapo_async.generator.config import SamplingConfig
+    from vapo_async.common.sampling import GroupSamplingConfig
 
-    s = SamplingConfig(group_size=g, temperature=1.0, top_p=1.0, max_tokens=t)
+    s = GroupSamplingConfig(group_size=g, temperature=1.0, top_p=1.0, max_tokens=t)
     t0 = time.perf_counter()
     for i, p in enumerate(ps):
         eng.submit(f"b{i}", p.prompt, s)
@@ -85,9 +85,9 @@ def run_engine(eng, ps: list[Prompt], g: int, t: int) -> tuple[int, float]:
 
 
 def run_loop(eng, ps: list[Prompt], g: int, t: int, tmp: Path, vocab: int) -> tuple[int, float]:
+    from vapo_async.common.sampling import GroupSamplingConfig
     from vapo_async.controller.config import ControllerConfig
     from vapo_async.controller.server import Controller
-    from vapo_async.generator.config import SamplingConfig
     from vapo_async.generator.loop import GeneratorLoop
     from vapo_async.generator.sync import WeightSync
     from vapo_async.rewards import RewardConfig, build_reward_fn
@@ -104,7 +104,7 @@ def run_loop(eng, ps: list[Prompt], g: int, t: int, tmp: Path, vocab: int) -> tu
     try:
         welcome = client.connect(timeout_s=30)
         loop = GeneratorLoop(client, eng, WeightSync(client, eng, tmp / "cache"), reward_fn,
-                             SamplingConfig(), max_prompts=len(ps))
+                             GroupSamplingConfig(), max_prompts=len(ps))
 
         def learner() -> None:
             groups = ctl.next_batch(len(ps), timeout_s=600)
@@ -127,7 +127,7 @@ def run_loop(eng, ps: list[Prompt], g: int, t: int, tmp: Path, vocab: int) -> tu
 
 def worker(mode: str, model: Path, n_prompts: int, g: int, t: int, repeats: int, out: Path) -> None:
     """One engine mode in this (fresh) process; writes its measurements to ``out``."""
-    from vapo_async.generator.config import EngineConfig
+    from vapo_async.common.engine import EngineConfig
     from vapo_async.generator.engine import VLLMEngine
 
     t0 = time.perf_counter()

@@ -116,10 +116,10 @@ def wait_announcement(client, version: int, timeout_s: float = 30.0):
 
 
 def first_token_s(engine, version: int) -> float:
-    from vapo_async.generator.config import SamplingConfig
+    from vapo_async.common.sampling import GroupSamplingConfig
 
     t0 = time.perf_counter()
-    engine.submit(f"probe-{version}", "Question: what is 1 + 2?", SamplingConfig(group_size=1, max_tokens=1))
+    engine.submit(f"probe-{version}", "Question: what is 1 + 2?", GroupSamplingConfig(group_size=1, max_tokens=1))
     done = []
     while engine.has_work():
         done += engine.step()
@@ -129,9 +129,9 @@ def first_token_s(engine, version: int) -> float:
 
 
 def bench_size(size: Size, tmp: Path) -> dict:
+    from vapo_async.common.engine import EngineConfig
     from vapo_async.controller.config import ControllerConfig
     from vapo_async.controller.server import Controller
-    from vapo_async.generator.config import EngineConfig
     from vapo_async.generator.engine import VLLMEngine
     from vapo_async.generator.sync import WeightSync
     from vapo_async.transport.client import ControllerClient

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))  # this checkout's package (common.procs)
 RESULTS = REPO / "benchmarks" / "results"
 TARGET = 0.85
 TAGS = ("eval/accuracy", "rollout/accuracy", "rollout/reward_mean", "rollout/response_length_mean",
@@ -60,12 +61,9 @@ def run(run_dir: Path, minutes: float) -> tuple[float, int, float]:
     try:
         proc.wait(timeout=minutes * 60)
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        from vapo_async.common.procs import stop_processes
+
+        stop_processes([proc], signal.SIGINT, timeout_s=120, group=True)
     log.close()
     return time.time() - start, proc.returncode, start
 

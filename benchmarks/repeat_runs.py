@@ -25,18 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _runs import (
-    RESULTS,
-    RunRecord,
-    final_value,
-    load_records,
-    markdown_table,
-    mean_std,
-    plot_curves,
-    run_learner,
-    run_meta,
-    save_records,
-)
+from _curves import final_value, markdown_table, mean_std, plot_curves
+from _records import RESULTS, RunRecord, load_records, run_meta, save_records
+from _runs import run_learner
 
 JSON, MD, PNG = (RESULTS / f"repeat_runs.{ext}" for ext in ("json", "md", "png"))
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _runs import CURVE_TAGS, RESULTS, read_scalars, run_meta  # noqa: E402
+from _records import CURVE_TAGS, RESULTS, read_scalars, run_meta  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 JSON, MD, PNG = (RESULTS / f"soak.{ext}" for ext in ("json", "md", "png"))
@@ -139,21 +139,15 @@ def soak(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         children = psutil.Process(proc.pid).children(recursive=True)
     except Exception:  # noqa: BLE001 - already gone
         pass
+    from vapo_async.common.procs import stop_processes
+
     killed = False
     if early_exit is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            code, killed = proc.wait(), True
+        (code,) = stop_processes([proc], signal.SIGINT, timeout_s=180, group=True)
+        killed = code == -signal.SIGKILL
     else:
         code = early_exit
-    for c in children:  # generators run in their own sessions
-        try:
-            c.kill()
-        except Exception:  # noqa: BLE001 - stopped already
-            pass
+    stop_processes(children, signal.SIGKILL)  # generators run in their own sessions
     log.close()
     return {"samples": samples, "vanished": vanished, "deadlock": deadlock, "early_exit": early_exit,
             "exit_code": code, "killed": killed, "wall_s": time.time() - t0, "cmd": cmd[1:]}

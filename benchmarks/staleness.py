@@ -19,15 +19,15 @@ learner has no such mode, so the "no weight" rows are the closest switch it offe
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _curves as C  # noqa: E402
 import _runs as R  # noqa: E402
+from _records import RunRecord, run_meta  # noqa: E402
 
 ETAS = (0, 1, 2, 4, 8)
 MODES = ("decoupled", "noweight")
@@ -85,20 +85,22 @@ def row(eta: int, mode: str) -> str:
 
 def check_rows(budget: Budget) -> None:
     """Compose every row's config; raise if eta or the behaviour cap did not land as intended."""
+    from vapo_async.learner.__main__ import compose_config
+
     for eta in budget.etas:
         for mode in MODES:
-            algo = R.compose_config(budget.overrides(eta, mode)).algo
+            algo = compose_config(budget.overrides(eta, mode)).algo
             if algo.eta != eta or (algo.behav_cap is None) != (mode == "noweight"):
                 raise RuntimeError(f"row {row(eta, mode)}: composed eta={algo.eta}, behav_cap={algo.behav_cap}")
 
 
-def mean_of(record: R.RunRecord, tag: str) -> float | None:
+def mean_of(record: RunRecord, tag: str) -> float | None:
     """Mean of a run's scalar over the steps it was logged (None when absent)."""
     pts = record.curve(tag)
     return sum(v for _, v in pts) / len(pts) if pts else None
 
 
-def report(meta: dict, records: list[R.RunRecord], out_dir: Path) -> None:
+def report(meta: dict, records: list[RunRecord], out_dir: Path) -> None:
     """Write staleness.md and staleness.png from the records."""
     etas = sorted({int(r.variant.split("_")[0][3:]) for r in records})
     rows, acc, tps = [], {m: [] for m in MODES}, {m: [] for m in MODES}
@@ -108,15 +110,15 @@ def report(meta: dict, records: list[R.RunRecord], out_dir: Path) -> None:
         for mode in MODES:
             runs = [r for r in records if r.variant == row(eta, mode)]
             ok = [r for r in runs if r.status == "ok"]
-            finals = [v for v in (R.final_value(r.curve("eval/accuracy")) for r in ok) if v is not None]
-            f = R.mean_std(finals)
-            t = R.mean_std([v for v in (R.throughput(r) for r in ok) if v is not None])
-            st = R.mean_std([v for v in (mean_of(r, "async/staleness_mean") for r in ok) if v is not None])
+            finals = [v for v in (C.final_value(r.curve("eval/accuracy")) for r in ok) if v is not None]
+            f = C.mean_std(finals)
+            t = C.mean_std([v for v in (C.throughput(r) for r in ok) if v is not None])
+            st = C.mean_std([v for v in (mean_of(r, "async/staleness_mean") for r in ok) if v is not None])
             if mode == "decoupled" and eta == etas[0] and t[0]:
                 base = t[0]
             acc[mode].append(f[0])
             tps[mode].append(t[0])
-            cells += [R.fmt_mean_std(*f, scale=100, n=len(finals)), "–" if t[0] is None else f"{t[0]:.0f}",
+            cells += [C.fmt_mean_std(*f, scale=100, n=len(finals)), "–" if t[0] is None else f"{t[0]:.0f}",
                       "–" if st[0] is None else f"{st[0]:.2f}", f"{len(runs) - len(ok)}/{len(runs)}"]
         cells += [f"{AREAL[eta][1]:.1f} / {AREAL[eta][0]:.1f}" if eta in AREAL else "–"]
         rows.append(cells)
@@ -126,9 +128,9 @@ def report(meta: dict, records: list[R.RunRecord], out_dir: Path) -> None:
     header.append("AReaL AIME24: decoupled / naive")
     plot(etas, acc, tps, out_dir / "staleness.png")
     reading = []
-    start = R.mean_std([r.curve("eval/accuracy")[0][1] for r in records if r.curve("eval/accuracy")])
+    start = C.mean_std([r.curve("eval/accuracy")[0][1] for r in records if r.curve("eval/accuracy")])
     if start[0] is not None:
-        reading.append(f"- Base model (step 0): held-out avg@16 = {R.fmt_mean_std(*start, scale=100)} %.")
+        reading.append(f"- Base model (step 0): held-out avg@16 = {C.fmt_mean_std(*start, scale=100)} %.")
     for mode in MODES:
         pairs = [(e, a, t) for e, a, t in zip(etas, acc[mode], tps[mode], strict=True) if a is not None]
         if pairs:
@@ -144,7 +146,7 @@ def report(meta: dict, records: list[R.RunRecord], out_dir: Path) -> None:
         f"{meta['date']}, commit {meta['commit']}; total wall time {meta.get('total_wall_s', 0) / 60:.0f} min.", "",
         f"What ran: {meta['description']}.",
         *([f"Skipped for time: {', '.join(meta['skipped'])}."] if meta.get("skipped") else []), "",
-        R.markdown_table(header, rows), "",
+        C.markdown_table(header, rows), "",
         "final acc = held-out avg@16 at the last step (mean ± std over seeds); tokens/s = trained tokens "
         "(prompt + response) / wall seconds of the policy steps (waiting for rollouts + update + publish; "
         "value-pretraining steps excluded); staleness = mean over steps of `async/staleness_mean` (policy "
@@ -186,44 +188,21 @@ def plot(etas: list[int], acc: dict[str, list[float | None]], tps: dict[str, lis
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--budget", choices=sorted(BUDGETS), default="quick")
-    ap.add_argument("--etas", type=int, nargs="+")
-    ap.add_argument("--seeds", type=int, nargs="+")
-    ap.add_argument("--steps", type=int)
-    ap.add_argument("--max-minutes", type=float, help="skip runs that would end after this many minutes")
-    ap.add_argument("--resume", action="store_true", help="keep finished runs of staleness_runs.json")
-    ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--report-only", action="store_true")
-    ap.add_argument("--out", type=Path, default=R.RESULTS)
+    ap = R.harness_parser(__doc__.split("\n\n")[0], "staleness", BUDGETS)
+    ap.add_argument("--etas", type=int, nargs="+", help="override the budget's staleness bounds")
     args = ap.parse_args()
-    json_path = args.out / "staleness_runs.json"
-    if args.report_only:
-        meta, records = R.load_records(json_path)
-        report(meta, records, args.out)
-        return
-    budget = BUDGETS[args.budget]
-    budget = dataclasses.replace(budget, etas=tuple(args.etas or budget.etas), seeds=tuple(args.seeds or budget.seeds),
-                                 steps=args.steps or budget.steps)
-    check_rows(budget)
-    todo = [R.RunRecord(row(e, m), s, budget.overrides(e, m)) for s in budget.seeds for e in budget.etas for m in MODES]
-    if args.dry_run:
-        for rec in todo:
-            print("python " + " ".join(R.learner_command(rec.overrides, rec.seed, Path("DIR"))[1:]))
-        return
-    done: list[R.RunRecord] = []
-    if args.resume and json_path.exists():
-        done = [r for r in R.load_records(json_path)[1] if r.status == "ok"]
-        todo = [r for r in todo if (r.variant, r.seed) not in {(d.variant, d.seed) for d in done}]
-    meta = R.run_meta(budget.name, budget.describe(), [row(e, m) for e in budget.etas for m in MODES])
-    t0 = time.monotonic()
-    deadline = t0 + 60 * args.max_minutes if args.max_minutes else None
-    args.out.mkdir(parents=True, exist_ok=True)
-    R.run_sequence(todo, done, args.out / "tmp" / "staleness", json_path, meta, budget.timeout_s, deadline)
-    meta["total_wall_s"] = time.monotonic() - t0
-    R.save_records(json_path, done, meta)
-    report(meta, done, args.out)
-    print(f"wrote {args.out / 'staleness.md'}")
+
+    def plan() -> R.Plan:
+        budget = BUDGETS[args.budget]
+        budget = dataclasses.replace(budget, etas=tuple(args.etas or budget.etas),
+                                     seeds=tuple(args.seeds or budget.seeds), steps=args.steps or budget.steps)
+        check_rows(budget)
+        todo = [RunRecord(row(e, m), s, budget.overrides(e, m))
+                for s in budget.seeds for e in budget.etas for m in MODES]
+        meta = run_meta(budget.name, budget.describe(), [row(e, m) for e in budget.etas for m in MODES])
+        return R.Plan(todo, meta, budget.timeout_s)
+
+    R.run_harness(args, "staleness", plan, report)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ def workload(base: Path, rounds: int, every: int, tmp: Path) -> list[tuple[int, 
     """Run in a child process; returns (round, worker RSS MiB) readings, round 0 = after start."""
     from safetensors.torch import load_file
 
-    from vapo_async.generator.config import EngineConfig, SamplingConfig
+    from vapo_async.common.engine import EngineConfig
+    from vapo_async.common.sampling import GroupSamplingConfig
     from vapo_async.generator.engine import VLLMEngine
     from vapo_async.transport.weights import WeightPublisher
 
@@ -66,7 +67,7 @@ def workload(base: Path, rounds: int, every: int, tmp: Path) -> list[tuple[int, 
             for j in range(rng.randint(2, 8)):
                 numbers = " ".join(str(rng.randint(1, 99)) for _ in range(rng.randint(5, 60)))
                 engine.submit(f"{r}-{j}", f"Question: {numbers} Step:",
-                              SamplingConfig(group_size=8, max_tokens=rng.randint(32, 200)))
+                              GroupSamplingConfig(group_size=8, max_tokens=rng.randint(32, 200)))
             while engine.has_work():
                 engine.step()
             if r % every == 0:

@@ -1,4 +1,4 @@
-"""The experiment harness's pure parts (benchmarks/_runs.py, ablation.py, staleness.py): curve
+"""The experiment harness's pure parts (benchmarks/_curves.py, _records.py, _runs.py, ablation.py, staleness.py): curve
 statistics with hand-derived values, tables, TensorBoard read-back of a real event file, and the
 derivation of every ablation row's overrides from algo/presets.py (composed with the real conf/)."""
 
@@ -14,6 +14,8 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import _curves as C  # noqa: E402
+import _records as D  # noqa: E402
 import _runs as R  # noqa: E402
 import ablation  # noqa: E402
 import staleness  # noqa: E402
@@ -23,11 +25,11 @@ from vapo_async.algo.presets import PRESETS, TECHNIQUES, vapo_without  # noqa: E
 
 def test_normalised_auc_hand_values() -> None:
     # points (0, 0.2), (10, 0.4), (20, 0.4): trapezoids 10 * 0.3 + 10 * 0.4 = 7, span 20 -> 0.35
-    assert R.normalised_auc([(0, 0.2), (10, 0.4), (20, 0.4)]) == pytest.approx(0.35)
+    assert C.normalised_auc([(0, 0.2), (10, 0.4), (20, 0.4)]) == pytest.approx(0.35)
     # uneven spacing: (0, 0), (2, 1), (10, 1): 2 * 0.5 + 8 * 1 = 9, span 10 -> 0.9
-    assert R.normalised_auc([(0, 0.0), (2, 1.0), (10, 1.0)]) == pytest.approx(0.9)
-    assert R.normalised_auc([(5, 0.7)]) == 0.7
-    assert R.normalised_auc([]) is None
+    assert C.normalised_auc([(0, 0.0), (2, 1.0), (10, 1.0)]) == pytest.approx(0.9)
+    assert C.normalised_auc([(5, 0.7)]) == 0.7
+    assert C.normalised_auc([]) is None
 
 
 def test_normalised_auc_matches_numpy_trapezoid_on_random_curves() -> None:
@@ -38,38 +40,38 @@ def test_normalised_auc_matches_numpy_trapezoid_on_random_curves() -> None:
         steps = np.sort(rng.choice(200, size=int(rng.integers(2, 12)), replace=False)).astype(float)
         vals = rng.random(len(steps))
         ref = np.trapezoid(vals, steps) / (steps[-1] - steps[0])
-        assert R.normalised_auc(list(zip(steps.tolist(), vals.tolist(), strict=True))) == pytest.approx(ref)
+        assert C.normalised_auc(list(zip(steps.tolist(), vals.tolist(), strict=True))) == pytest.approx(ref)
 
 
 def test_steps_to_threshold_and_final() -> None:
     curve = [(0, 0.3), (10, 0.59), (20, 0.6), (30, 0.5), (40, 0.8)]
-    assert R.steps_to_threshold(curve, 0.6) == 20  # first step at or above, even if it drops later
-    assert R.steps_to_threshold(curve, 0.9) is None
-    assert R.steps_to_threshold(curve, 0.0) == 0
-    assert R.final_value(curve) == 0.8
-    assert R.final_value([]) is None
+    assert C.steps_to_threshold(curve, 0.6) == 20  # first step at or above, even if it drops later
+    assert C.steps_to_threshold(curve, 0.9) is None
+    assert C.steps_to_threshold(curve, 0.0) == 0
+    assert C.final_value(curve) == 0.8
+    assert C.final_value([]) is None
 
 
 def test_mean_std_sample_std() -> None:
     # 0.5, 0.6, 0.7: mean 0.6, squared deviations 0.01 + 0 + 0.01 = 0.02, / (3 - 1) -> std 0.1
-    m, s = R.mean_std([0.5, 0.6, 0.7])
+    m, s = C.mean_std([0.5, 0.6, 0.7])
     assert m == pytest.approx(0.6) and s == pytest.approx(0.1)
-    assert R.mean_std([0.4]) == (0.4, 0.0)
-    assert R.mean_std([]) == (None, None)
+    assert C.mean_std([0.4]) == (0.4, 0.0)
+    assert C.mean_std([]) == (None, None)
 
 
 def test_mean_band_uses_common_steps_only() -> None:
     a = [(0, 0.2), (10, 0.4), (20, 0.6)]
     b = [(0, 0.4), (10, 0.8)]  # crashed before step 20: step 20 is not averaged over one curve
-    steps, mean, std = R.mean_band([a, b])
+    steps, mean, std = C.mean_band([a, b])
     assert steps == [0, 10]
     assert mean == pytest.approx([0.3, 0.6])
     # two values x, y: sample std = |x - y| / sqrt(2)
     assert std == pytest.approx([0.2 / math.sqrt(2), 0.4 / math.sqrt(2)])
 
 
-def _record(variant: str, seed: int, status: str, acc: list[tuple[float, float]], wall: float = 60.0) -> R.RunRecord:
-    return R.RunRecord(variant, seed, [], status=status, wall_s=wall,
+def _record(variant: str, seed: int, status: str, acc: list[tuple[float, float]], wall: float = 60.0) -> D.RunRecord:
+    return D.RunRecord(variant, seed, [], status=status, wall_s=wall,
                        curves={"eval/accuracy": [[s, v] for s, v in acc]})
 
 
@@ -80,32 +82,32 @@ def test_summarise_excludes_crashes_from_statistics() -> None:
         _record("vapo", 2, "crash", [(0, 0.2)]),
         _record("vapo", 3, "timeout", [(0, 0.2), (10, 0.9)]),
     ]
-    s = R.summarise("vapo", runs, threshold=0.6)
+    s = C.summarise("vapo", runs, threshold=0.6)
     assert (s.runs, s.crashes) == (4, 2)
     assert s.final_mean == pytest.approx(0.7) and s.final_std == pytest.approx(0.2 / math.sqrt(2))
     assert s.auc_mean == pytest.approx(0.475)
     assert s.reached == 2 and s.steps_to_threshold_mean == pytest.approx(15.0)  # steps 10 and 20
     assert s.wall_s_mean == pytest.approx(150.0)
-    none = R.summarise("ppo", [_record("ppo", 0, "crash", [])], threshold=0.6)
-    assert none.final_mean is None and none.crashes == 1 and R.fmt_mean_std(none.final_mean, None) == "–"
+    none = C.summarise("ppo", [_record("ppo", 0, "crash", [])], threshold=0.6)
+    assert none.final_mean is None and none.crashes == 1 and C.fmt_mean_std(none.final_mean, None) == "–"
 
 
 def test_throughput_skips_value_warmup_steps() -> None:
-    rec = R.RunRecord("eta0", 0, [], status="ok", curves={
+    rec = D.RunRecord("eta0", 0, [], status="ok", curves={
         "train/value_warmup": [[1, 1.0], [2, 0.0], [3, 0.0]],
         "perf/step_s": [[1, 100.0], [2, 2.0], [3, 3.0]],
         "batch/tokens": [[1, 9999.0], [2, 1000.0], [3, 1500.0]],
     })
-    assert R.throughput(rec) == pytest.approx(2500.0 / 5.0)  # steps 2-3: 2500 tokens in 5 s
-    assert R.throughput(R.RunRecord("x", 0, [])) is None
+    assert C.throughput(rec) == pytest.approx(2500.0 / 5.0)  # steps 2-3: 2500 tokens in 5 s
+    assert C.throughput(D.RunRecord("x", 0, [])) is None
 
 
 def test_markdown_table_and_format() -> None:
-    text = R.markdown_table(["a", "b"], [[1, "x|y"], ["–", 2.5]])
+    text = C.markdown_table(["a", "b"], [[1, "x|y"], ["–", 2.5]])
     assert text.splitlines() == ["| a | b |", "| --- | --- |", "| 1 | x\\|y |", "| – | 2.5 |"]
     with pytest.raises(ValueError, match="every row needs 2 cells"):
-        R.markdown_table(["a", "b"], [[1]])
-    assert R.fmt_mean_std(0.6123, 0.0345, scale=100) == "61.2 ± 3.5"
+        C.markdown_table(["a", "b"], [[1]])
+    assert C.fmt_mean_std(0.6123, 0.0345, scale=100) == "61.2 ± 3.5"
 
 
 def test_spearman_hand_values() -> None:
@@ -126,20 +128,15 @@ def test_read_scalars_round_trip(tmp_path: Path) -> None:
     w.add_scalar("rollout/accuracy", 0.375, 1)  # the same step twice: the last value wins
     w.add_scalar("other/tag", 1.0, 1)
     w.close()
-    got = R.read_scalars(tmp_path / "tb", ["eval/accuracy", "rollout/accuracy", "missing/tag"])
+    got = D.read_scalars(tmp_path / "tb", ["eval/accuracy", "rollout/accuracy", "missing/tag"])
     assert got == {"eval/accuracy": [[0.0, 0.25], [5.0, 0.5], [10.0, 0.75]], "rollout/accuracy": [[1.0, 0.375]]}
 
 
 def test_records_json_round_trip(tmp_path: Path) -> None:
     recs = [_record("vapo", 0, "ok", [(0, 0.2), (6, 0.5)]), _record("ppo", 1, "crash", [])]
-    R.save_records(tmp_path / "runs.json", recs, {"budget": "quick"})
-    meta, back = R.load_records(tmp_path / "runs.json")
+    D.save_records(tmp_path / "runs.json", recs, {"budget": "quick"})
+    meta, back = D.load_records(tmp_path / "runs.json")
     assert meta == {"budget": "quick"} and back == recs
-
-
-def test_hydra_value() -> None:
-    assert [R.hydra_value(v) for v in (None, True, False, 0.2, 8, "sequence")] == \
-        ["null", "true", "false", "0.2", "8", "sequence"]
 
 
 def test_algo_overrides_follow_the_presets() -> None:
@@ -185,3 +182,40 @@ def test_reap_reports_only_processes_that_outlive_the_settle_time() -> None:
     reaper.join()
     assert sorted(left) == [f"sleep {stuck.pid} (sleep 60)", f"sleep {deaf.pid} (sleep 61)"], left
     assert not known[stuck.pid].is_running() and not known[deaf.pid].is_running()  # stopped, reaped
+
+
+def test_run_harness_report_only_dry_run_and_resume(tmp_path, capsys, monkeypatch) -> None:
+    """The main loop ablation.py and staleness.py share: --dry-run prints the commands, --resume
+    runs only what the JSON does not hold as ok, --report-only reads the JSON back."""
+    ran: list[str] = []
+
+    def fake_run(rec: D.RunRecord, run_dir: Path, timeout_s: float, require_eval: bool = True) -> D.RunRecord:
+        ran.append(f"{rec.variant}_s{rec.seed}")
+        rec.status, rec.wall_s = "ok", 1.0
+        return rec
+
+    monkeypatch.setattr(R, "run_learner", fake_run)
+    reports: list[tuple[dict, list[str], Path]] = []
+
+    def report(meta: dict, records: list[D.RunRecord], out: Path) -> None:
+        reports.append((meta, [f"{r.variant}_s{r.seed}" for r in records], out))
+
+    def plan() -> R.Plan:
+        todo = [D.RunRecord(v, 0, [f"algo={v}"]) for v in ("vapo", "ppo")]
+        return R.Plan(todo, {"budget": "quick"}, timeout_s=60.0)
+
+    def main(*argv: str) -> None:
+        args = R.harness_parser("demo", "demo", ["quick"]).parse_args(["--out", str(tmp_path), *argv])
+        R.run_harness(args, "demo", plan, report)
+
+    main("--dry-run")
+    assert capsys.readouterr().out.splitlines() == [
+        f"python -m vapo_async.learner algo={v} seed=0 hydra.run.dir=DIR" for v in ("vapo", "ppo")]
+    assert not ran and not reports
+    D.save_records(tmp_path / "demo_runs.json", [D.RunRecord("vapo", 0, ["algo=vapo"], status="ok")], {})
+    main("--resume")
+    assert ran == ["ppo_s0"]  # vapo seed 0 is already ok in the JSON
+    meta, names, out = reports[-1]
+    assert names == ["vapo_s0", "ppo_s0"] and out == tmp_path and meta["skipped"] == [] and "total_wall_s" in meta
+    main("--report-only")
+    assert ran == ["ppo_s0"] and reports[-1][1] == ["vapo_s0", "ppo_s0"]

@@ -1,6 +1,6 @@
 """Helpers of the fault and fuzz tests: real generator processes, a learner stand-in, tampering.
 
-- ``GeneratorPool``: real ``python -m vapo_async.generator`` processes (via ``generator.launch``)
+- ``GeneratorPool``: real ``python -m vapo_async.generator`` processes (via ``learner.launch``)
   that can be SIGKILLed, SIGSTOPped / SIGCONTed and restarted under a fresh id per incarnation.
 - ``StandIn``: the learner's side of a real ``Controller`` (next_batch -> mark_trained ->
   step_done with a real ``WeightPublisher`` announcement of a perturbed tiny model), recording every
@@ -92,7 +92,7 @@ class GeneratorPool:
 
     def start(self, slot: str, extra: dict[str, Any] | None = None) -> str:
         """Start the next incarnation of ``slot`` (``extra``: more overrides); returns its id."""
-        from vapo_async.generator.launch import start_local_generators
+        from vapo_async.learner.launch import start_local_generators
 
         prefix = f"{slot}{self.incarnation[slot]}"
         self.incarnation[slot] += 1
@@ -120,17 +120,18 @@ class GeneratorPool:
         return h
 
     def check_alive(self) -> None:
-        from vapo_async.generator.launch import tail
+        from vapo_async.learner.launch import tail
 
         for slot, h in self.handles.items():
             assert h.alive(), f"generator {slot} ({h.generator_id}) exited:\n{tail(h, 40)}"
 
     def close(self) -> list[int]:
-        from vapo_async.generator.launch import _kill_group, stop_generators
+        from vapo_async.common.procs import kill_group
+        from vapo_async.learner.launch import stop_generators
 
         codes = stop_generators(list(self.handles.values()), timeout_s=30)
         for h in self.dead:
-            _kill_group(h.pid, 2.0)
+            kill_group(h.pid, 2.0)
             h._log_file.close()
         return codes
 

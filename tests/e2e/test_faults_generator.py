@@ -11,7 +11,7 @@ after every step (lease timeout 5 s, B = 2 groups of G = 2, eta = 1).
   the lease timeout, killed leases are re-issued, every restarted generator loads the latest
   weights before sampling and contributes, and at the end every admitted prompt was trained (or,
   like the real learner does, dropped as staler than eta) exactly once. Last, no process of a
-  killed generator outlives it (vapo_async.generator.orphans).
+  killed generator outlives it (vapo_async.common.orphans).
 
 The stand-in mirrors the learner's batch assembly (``RolloutStream``): groups staler than eta are
 dropped with ``mark_dropped`` and topped up; each step takes >= 1 s ("training").

@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from vapo_async.common.procs import stop_processes
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 pytestmark = pytest.mark.slow
 
@@ -108,14 +110,6 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[bytes], log:
         time.sleep(0.5)
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(10)
-
-
 def test_learner_sigkill_then_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
     run_dir, endpoint = tmp_path / "run", f"ipc://{tmp_path}/ctl"
     logs = tmp_path / "logs"
@@ -130,7 +124,7 @@ def test_learner_sigkill_then_resume(tiny_model_dir: Path, tmp_path: Path) -> No
         time.sleep(0.3)  # mid-step: rollouts leased and buffered, maybe a step beyond the checkpoint
         os.kill(learner.pid, signal.SIGKILL)
         learner.wait(10)
-        _kill_group(learner)  # nothing of the learner may survive (no orphaned threads/processes)
+        stop_processes([learner], signal.SIGKILL, group=True)  # nothing of the learner may survive (no orphaned threads/processes)
         saved = _ckpt(run_dir)
         step, version = saved["global_step"], saved["vapo"]["version"]
         state = _controller_state(saved)
@@ -155,12 +149,12 @@ def test_learner_sigkill_then_resume(tiny_model_dir: Path, tmp_path: Path) -> No
         assert gen.poll() is None, "the generator died across the learner restart"
     finally:
         if learner is not None:
-            _kill_group(learner)
+            stop_processes([learner], signal.SIGKILL, group=True)
         gen.send_signal(signal.SIGTERM)
         try:
             gen.wait(15)
         except subprocess.TimeoutExpired:
-            _kill_group(gen)
+            stop_processes([gen], signal.SIGKILL, group=True)
     out = (logs / "l2.log").read_text(errors="replace")
     resumed = re.search(r"resumed from \S+: step (\d+), version (\d+); optimizer state sha256 \w+ (matches|DIFFERS)", out)
     assert resumed, out[-3000:]
@@ -219,7 +213,7 @@ def test_cli_errors_are_one_line(tiny_model_dir: Path, tmp_path: Path) -> None:
         try:
             out, err = proc.communicate(timeout=240)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)  # type: ignore[arg-type]
+            stop_processes([proc], signal.SIGKILL, group=True)  # type: ignore[arg-type]
             failures.append(f"{mod} {args[-1]}: still running after 240 s")
             continue
         errors = [ln for ln in err.splitlines() if ln.startswith(f"{mod}: error:")]
@@ -249,5 +243,5 @@ def test_sigint_stops_a_learner_started_with_sigint_ignored(tiny_model_dir: Path
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
-            _kill_group(proc)  # type: ignore[arg-type]
+            stop_processes([proc], signal.SIGKILL, group=True)  # type: ignore[arg-type]
     assert proc.returncode != 0 and proc.returncode != -signal.SIGKILL

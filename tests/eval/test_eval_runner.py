@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from vapo_async.common.engine import EngineConfig
 from vapo_async.data import DataConfig, load_prompts
 from vapo_async.data import tiny_base as tb
 from vapo_async.eval import ProblemResult, evaluate
 from vapo_async.eval.metrics import score_groups
 from vapo_async.eval.runner import build_llm, shutdown_llm
-from vapo_async.generator.config import EngineConfig
 from vapo_async.rewards import RewardConfig, build_reward_fn
 
 pytestmark = pytest.mark.vllm

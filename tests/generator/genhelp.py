@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers import Qwen2ForCausalLM
 
-from vapo_async.generator.config import SamplingConfig
+from vapo_async.common.sampling import GroupSamplingConfig
 from vapo_async.generator.engine import Completion
 from vapo_async.transport.messages import WeightAnnouncement
 from vapo_async.transport.weights import WeightPublisher
@@ -52,7 +52,7 @@ class Published:
         return Path(self.publish(version).path)
 
 
-def generate(engine, prompts: list[str], sampling: SamplingConfig) -> list[Completion]:
+def generate(engine, prompts: list[str], sampling: GroupSamplingConfig) -> list[Completion]:
     """Sample ``prompts`` to completion (request ids r0, r1, ...), sorted by request id."""
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, sampling)
@@ -63,7 +63,7 @@ def generate(engine, prompts: list[str], sampling: SamplingConfig) -> list[Compl
 
 
 def make_engine(model_dir: Path, version: int, multiprocessing: bool = True):  # -> VLLMEngine
-    from vapo_async.generator.config import EngineConfig
+    from vapo_async.common.engine import EngineConfig
     from vapo_async.generator.engine import VLLMEngine
 
     cfg = EngineConfig(max_model_len=384, seed=0, multiprocessing=multiprocessing)

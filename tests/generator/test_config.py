@@ -13,13 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vapo_async.generator.config import EngineConfig, SamplingConfig
+from vapo_async.common.engine import EngineConfig
+from vapo_async.common.procs import stop_processes
+from vapo_async.common.sampling import GroupSamplingConfig
 from vapo_async.generator.engine import versions_from_spans
-from vapo_async.generator.launch import start_local_generators, stop_generators
+from vapo_async.learner.launch import start_local_generators, stop_generators
 
 
 def test_welcome_sampling_overrides_the_config() -> None:
-    base = SamplingConfig(group_size=8, temperature=1.0, top_p=1.0, max_tokens=256)
+    base = GroupSamplingConfig(group_size=8, temperature=1.0, top_p=1.0, max_tokens=256)
     got = base.with_welcome({"n": 4, "temperature": 0.6, "max_tokens": 64})
     assert (got.group_size, got.temperature, got.top_p, got.max_tokens) == (4, 0.6, 1.0, 64)
     assert base.group_size == 8  # a copy
@@ -55,7 +57,7 @@ def test_cli_errors_name_the_problem(tmp_path: Path) -> None:
     codes = [h.process.wait(timeout=120) for h in handles]
     stop_generators(handles)
     typo, missing = (h.log_path.read_text() for h in handles)
-    assert codes[0] != 0 and "Key 'temprature' not in 'SamplingConfig'" in typo
+    assert codes[0] != 0 and "Key 'temprature' not in 'GroupSamplingConfig'" in typo
     assert codes[1] == 2 and f"{tmp_path}/missing is not a Hugging Face model directory" in missing
     assert "Traceback" not in typo + missing
 
@@ -97,14 +99,6 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 def test_bad_values_fail_before_the_engine_starts(tiny_model_dir: Path, tmp_path: Path) -> None:
     """With a valid model=, each bad value must fail at start-up with one error line naming its key,
     long before the ~20-40 s vLLM engine start (interpreter + Hydra start-up is ~0.6 s here)."""
@@ -131,7 +125,7 @@ def test_bad_values_fail_before_the_engine_starts(tiny_model_dir: Path, tmp_path
         try:  # 9 interpreters at once on 2 busy cores: ~5 s; an engine start would take 20-40 s more
             _, err = proc.communicate(timeout=max(1.0, 15.0 - (time.monotonic() - t0)))
         except subprocess.TimeoutExpired:
-            _kill_group(proc)  # the engine (and its EngineCore) were started: the check came too late
+            stop_processes([proc], signal.SIGKILL, group=True)  # the engine was started: the check came too late
             failures.append(f"{args}: still running after 15 s")
             continue
         errors = [ln for ln in err.splitlines() if ln.startswith("vapo_async.generator: error:")]
@@ -142,8 +136,7 @@ def test_bad_values_fail_before_the_engine_starts(tiny_model_dir: Path, tmp_path
 
 
 def test_cpu_worker_env_defaults_set_but_never_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from vapo_async.generator.config import EngineConfig
-    from vapo_async.generator.engine import CPU_WORKER_ENV, engine_kwargs
+    from vapo_async.common.engine import CPU_WORKER_ENV, EngineConfig, engine_kwargs
 
     # a private copy of the environment: nothing set here leaks into later tests' processes
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in CPU_WORKER_ENV})
@@ -158,7 +151,7 @@ def test_cpu_worker_env_defaults_set_but_never_override(monkeypatch: pytest.Monk
 
 
 def test_engine_dtype_auto_is_bfloat16_on_gpu_float32_on_cpu(tmp_path: Path) -> None:
-    from vapo_async.generator.engine import engine_kwargs, resolve_dtype
+    from vapo_async.common.engine import engine_kwargs, resolve_dtype
 
     assert resolve_dtype("auto", on_cpu=False) == "bfloat16"
     assert resolve_dtype("auto", on_cpu=True) == "float32"
@@ -175,7 +168,7 @@ def test_engine_dtype_auto_is_bfloat16_on_gpu_float32_on_cpu(tmp_path: Path) -> 
     ("0.33.0", False), ("0.33.0rc1", False), ("1.0.0", False), ("not-a-version", False),  # not tested against
 ])
 def test_vllm_outside_the_supported_range_is_refused_in_one_line(version: str, supported: bool) -> None:
-    from vapo_async.generator.engine import SUPPORTED_VLLM, check_vllm_version
+    from vapo_async.common.engine import SUPPORTED_VLLM, check_vllm_version
 
     assert SUPPORTED_VLLM == ">=0.32,<0.33"
     pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())

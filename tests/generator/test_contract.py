@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from vapo_async.common.engine import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from vapo_async.controller.config import ControllerConfig
 from vapo_async.controller.server import Controller
-from vapo_async.generator.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from vapo_async.transport.config import TransportConfig
 
 SRC = Path(__file__).resolve().parents[2] / "src"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from genhelp import Published, generate, hf, hf_logprobs, hf_logprobs_switched, make_engine
 
-from vapo_async.generator.config import SamplingConfig
+from vapo_async.common.sampling import GroupSamplingConfig
 from vapo_async.generator.engine import Completion
 
 pytestmark = pytest.mark.vllm
@@ -27,7 +27,7 @@ LONG_PROMPTS = [" ".join(f"Question: what is {a + i} + {i} * 2? Step: {i} * 2 = 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_match_transformers(engine, published: Published, temperature: float) -> None:
     engine.reload(published.dir(1), 1)
-    done = generate(engine, PROMPTS, SamplingConfig(group_size=4, temperature=temperature, max_tokens=24))
+    done = generate(engine, PROMPTS, GroupSamplingConfig(group_size=4, temperature=temperature, max_tokens=24))
     model = hf(published.dir(1))
     diffs, untempered = [], []
     for c in done:
@@ -46,7 +46,7 @@ def test_sampled_logprobs_match_transformers(engine, published: Published, tempe
 
 
 def test_reload_reproduces_fresh_engine(engine, published: Published) -> None:
-    greedy = SamplingConfig(group_size=1, temperature=0.0, max_tokens=32)
+    greedy = GroupSamplingConfig(group_size=1, temperature=0.0, max_tokens=32)
     engine.reload(published.dir(1), 1)
     before = generate(engine, LONG_PROMPTS, greedy)  # leaves version-1 KV of these prompts cached
     pause = engine.reload(published.dir(2), 2)
@@ -71,7 +71,7 @@ def test_reload_reproduces_fresh_engine(engine, published: Published) -> None:
 def test_versions_exact_across_reload(engine, published: Published) -> None:
     T = 0.8
     engine.reload(published.dir(1), 1)
-    sampling = SamplingConfig(group_size=3, temperature=T, max_tokens=40)
+    sampling = GroupSamplingConfig(group_size=3, temperature=T, max_tokens=40)
     for i, p in enumerate(PROMPTS[:2]):
         engine.submit(f"x{i}", p, sampling)
     done: list[Completion] = []

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from vapo_async.controller.config import ControllerConfig
 from vapo_async.controller.server import Controller
-from vapo_async.generator.launch import (
+from vapo_async.learner.launch import (
     GeneratorHandle,
     start_local_generators,
     stop_generators,

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from genhelp import Published, version_state_dict
 
+from vapo_async.common.sampling import GroupSamplingConfig
 from vapo_async.controller.config import ControllerConfig
 from vapo_async.controller.server import Controller
-from vapo_async.generator.config import SamplingConfig
 from vapo_async.generator.loop import GeneratorLoop
 from vapo_async.generator.sync import WeightSync
 from vapo_async.rewards import RewardConfig, build_reward_fn
@@ -80,7 +80,7 @@ def test_refused_version_is_reported_and_its_leases_reissued(engine, published: 
     client = ControllerClient(TransportConfig(endpoint=ctl.endpoint), "refuser", max_prompts=B)
     sync = WeightSync(client, engine, tmp_path / "cache", retry_s=60.0)  # no retry within this test
     reward_fn = build_reward_fn(RewardConfig())
-    loop = GeneratorLoop(client, engine, sync, reward_fn, SamplingConfig(group_size=G, max_tokens=8), B)
+    loop = GeneratorLoop(client, engine, sync, reward_fn, GroupSamplingConfig(group_size=G, max_tokens=8), B)
     errors: list[BaseException] = []
 
     def serve() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from genhelp import Published, generate
 
-from vapo_async.generator.config import SamplingConfig
+from vapo_async.common.sampling import GroupSamplingConfig
 from vapo_async.generator.sync import WeightSync
 from vapo_async.transport.client import ControllerClient
 from vapo_async.transport.config import TransportConfig
@@ -20,7 +20,7 @@ from vapo_async.transport.messages import WeightAnnouncement
 
 pytestmark = pytest.mark.vllm
 
-GREEDY = SamplingConfig(group_size=1, temperature=0.0, max_tokens=16)
+GREEDY = GroupSamplingConfig(group_size=1, temperature=0.0, max_tokens=16)
 PROMPTS = ["Question: what is 5 + 6 * 2? Step:", "Question: what is 30 + 1 * 2? Step:"]
 
 

@@ -72,6 +72,8 @@ def test_any_trainer_flag_is_an_override():
     ("algo.eta=-1", "AlgoConfig.eta"),
     ("reward.overlong_shaping=true", "reward.overlong_shaping"),
     ("batching.micro_batch_overhead_tokens=-1", "batching.micro_batch_overhead_tokens"),
+    ("sampling.top_p=2", "top_p"),  # common.sampling.SamplingConfig, the generators' type too
+    ("sampling.max_tokens=0", "sampling.max_tokens"),
 ])
 def test_invalid_override_is_one_line_naming_the_key(override, key):
     with pytest.raises(ConfigError) as err:

@@ -4,7 +4,7 @@ Setup -> run -> cleanup: resolve the model (``tiny_base`` builds the default bas
 the prompts (``vapo_async.data.load_prompts``), sample ``k`` responses per prompt with a vLLM engine
 (progress bar on stderr), score them with ``vapo_async.rewards``, print one JSON object on stdout
 and write it to ``out`` (and every sample to ``<out stem>.samples.jsonl``). Fields:
-``vapo_async/eval/config.py`` (``EvalConfig``). Configuration errors exit with code 2.
+``vapo_async/eval/config.py`` (``EvaluatorConfig``). Configuration errors exit with code 2.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from vapo_async.data import load_prompts  # noqa: E402
-from vapo_async.eval.config import TINY_BASE, EvalConfig, register_configs, to_eval_config  # noqa: E402
+from vapo_async.eval.config import TINY_BASE, EvaluatorConfig, register_configs, to_evaluator_config  # noqa: E402
 from vapo_async.eval.runner import ProblemResult, evaluate  # noqa: E402
 
 log = logging.getLogger("vapo_async.eval")
@@ -51,7 +51,7 @@ def write_samples(path: Path, results: list[ProblemResult]) -> None:
             f.write(json.dumps({"uid": r.record.uid, "answer": r.record.answer, "samples": samples}) + "\n")
 
 
-def run(cfg: EvalConfig) -> dict[str, object]:
+def run(cfg: EvaluatorConfig) -> dict[str, object]:
     """Evaluate as configured; returns the result object (also written to ``cfg.out``)."""
     model_dir = resolve_model(cfg.model)
     tokenizer = None
@@ -92,7 +92,7 @@ def main(dcfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
-        cfg = to_eval_config(dcfg)
+        cfg = to_evaluator_config(dcfg)
         result = run(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"vapo_async.eval: error: {e}", file=sys.stderr)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from vapo_async.common.engine import EngineConfig
 from vapo_async.data import DataConfig
-from vapo_async.generator.config import EngineConfig
 from vapo_async.rewards import RewardConfig
 
 TINY_BASE = "tiny_base"
@@ -23,7 +23,7 @@ TINY_BASE = "tiny_base"
 
 
 @dataclass
-class EvalConfig:
+class EvaluatorConfig:
     """One evaluation: a model, a prompt set, how to sample, where to write the result."""
 
     model: str = TINY_BASE
@@ -93,8 +93,8 @@ class EvalConfig:
         return Path.cwd() / f"eval-{model_dir.name}-{Path(self.data).stem}-k{self.k}.json"
 
 
-def to_eval_config(dcfg: DictConfig) -> EvalConfig:
-    """The composed Hydra config as a validated ``EvalConfig`` (empty ``reward.custom`` -> None)."""
+def to_evaluator_config(dcfg: DictConfig) -> EvaluatorConfig:
+    """The composed Hydra config as a validated ``EvaluatorConfig`` (empty ``reward.custom`` -> None)."""
     from omegaconf import OmegaConf
 
     if not dcfg.reward.custom:
@@ -108,9 +108,9 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    schema = OmegaConf.structured(EvalConfig)
+    schema = OmegaConf.structured(EvaluatorConfig)
     # OmegaConf cannot merge a CLI dict into a None-valued node ("reward.custom={_target_:...}"
-    # fails inside _map_merge), so the schema holds an open (non-struct) {} there; ``to_eval_config`` maps it back to None.
+    # fails inside _map_merge), so the schema holds an open (non-struct) {} there; ``to_evaluator_config`` maps it back to None.
     schema.reward.custom = {}
     OmegaConf.set_struct(schema.reward.custom, False)
     cs = ConfigStore.instance()

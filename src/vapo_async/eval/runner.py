@@ -23,8 +23,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from vapo_async.common.engine import EngineConfig
 from vapo_async.data import PromptRecord
-from vapo_async.generator.config import EngineConfig
 from vapo_async.rewards import RewardConfig, Score, build_reward_fn
 
 from .metrics import RewardFn, score_groups, summarize
@@ -50,7 +50,7 @@ def build_llm(model: str | Path, engine: EngineConfig | None = None) -> Any:
     """A ``vllm.LLM`` for ``model`` with the project's engine settings (CPU and GPU)."""
     from vllm import LLM
 
-    from vapo_async.generator.engine import engine_kwargs
+    from vapo_async.common.engine import engine_kwargs
 
     return LLM(**engine_kwargs(model, engine or EngineConfig()))
 

@@ -4,5 +4,4 @@
   behaviour log-probs and exact per-token policy versions; in-place reloads between steps.
 - ``sync``: the weight subscriber (verify or fetch, then reload; refuses bad files).
 - ``loop``: leases -> requests -> scored ``RolloutGroup`` messages.
-- ``launch``: start/stop local generator subprocesses (the learner's ``generators.local=N``).
 """

@@ -12,7 +12,7 @@ Setup -> run -> cleanup:
 2. Serve leases (``GeneratorLoop``) until SIGTERM/SIGINT.
 3. Hand unfinished leases back (``bye``), shut the engine down, exit 0.
 
-Every process the generator starts dies with it, even on SIGKILL (``orphans.py``).
+Every process the generator starts dies with it, even on SIGKILL (``common/orphans.py``).
 
 Configuration errors (missing model, bad values, unreachable controller with ``connect_timeout_s``,
 refused initial weights) end with a one-line message and exit code 2.
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from vapo_async.common.orphans import arm, die_with_parent_forks
 from vapo_async.generator.config import GeneratorConfig, register_configs
-from vapo_async.generator.orphans import arm, die_with_parent_forks
 from vapo_async.transport.weights import WeightsError
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def run(cfg: GeneratorConfig) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     die_with_parent_forks()  # forked children (a fork start method)
-    arm()  # spawned children: vLLM's EngineCore and its Worker (see orphans.py)
+    arm()  # spawned children: vLLM's EngineCore and its Worker (see common/orphans.py)
     # every cheap check before the ~20 s engine start (the config's own checks ran at parse time)
     if cfg.model is not None and not (Path(cfg.model) / "config.json").is_file():
         raise FileNotFoundError(f"model={cfg.model} is not a Hugging Face model directory (no config.json)")

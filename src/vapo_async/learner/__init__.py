@@ -7,8 +7,9 @@
 Modules (one stage each):
     config      LearnerConfig and its nodes (Hydra ConfigStore ``learner_schema``)
     trainer_config  the ``trainer`` node: every lightning.Trainer argument, typed
-    errors      ConfigError and its one-line message
-    __main__    setup -> run -> cleanup; the command-line check (one-line errors, exit code 2)
+    errors      ConfigError: an invalid setting, printed as one line (``one_line``)
+    model_presets  ``model.path=DIR`` alone means ``model=hf``; the tiny preset refuses a path
+    __main__    setup -> run -> cleanup; compose_config; one-line configuration errors (exit code 2)
     prepare     setup: model directory, data, threads, strategy, Trainer, callbacks
     module      LearnerModule: the training step (thin; maths in update, algo)
     state       RunState: step, version, latest step record; owned by the module, read by callbacks
@@ -19,6 +20,8 @@ Modules (one stage each):
     models      actor/critic loading, FSDP2 sharding, forward helpers
     publish     gather the actor (FSDP2 full state dict on rank 0) and publish a weight version
     runtime     controller and local generators beside rank 0 (Lightning callback)
+    launch      start/stop local generator processes (``python -m vapo_async.generator``)
+    placement   GPU devices and memory shares of the node's engines (learner, generators, eval)
     metrics     TensorBoard scalars, histograms, sampled text; progress bar
     checkpoint  last.ckpt every N steps, atomic; optimiser-state fingerprint for exact resume
     evaluation  held-out accuracy (``eval/accuracy``) every M steps

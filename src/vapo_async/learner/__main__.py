@@ -32,7 +32,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,7 @@ def run(cfg: LearnerConfig, run_dir: Path) -> Any:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from vapo_async.generator.orphans import arm
+    from vapo_async.common.orphans import arm
 
     arm()  # the evaluation engine's spawned vLLM processes die with the learner, even on SIGKILL
 
@@ -127,14 +127,14 @@ def check_command_line(argv: list[str]) -> None:
     name = args.config_name or CONFIG_NAME
     with _composer(args) as hydra:
         if args.cfg is not None:
-            _job_config(hydra, name, args.overrides)
+            compose_config(args.overrides, hydra=hydra, config_name=name, check=False)
             return
         if not (args.multirun or hydra.get_mode(config_name=name, overrides=args.overrides) == RunMode.MULTIRUN):
-            _validated(_job_config(hydra, name, args.overrides))
+            compose_config(args.overrides, hydra=hydra, config_name=name)
             return
         for i, job in enumerate(_sweep_jobs(hydra, name, args.overrides)):
             try:
-                check_sweep_job(_validated(_job_config(hydra, name, job)))
+                check_sweep_job(compose_config(job, hydra=hydra, config_name=name))
             except ConfigError as e:
                 raise ConfigError(f"sweep job #{i} ({' '.join(job)}): {e}") from e
 
@@ -177,22 +177,34 @@ def _composer(args: argparse.Namespace) -> Iterator[Any]:
         GlobalHydra.instance().clear()
 
 
-def _job_config(hydra: Any, config_name: str, overrides: list[str]) -> LearnerConfig:
-    """The typed config of one run (ConfigError with one line on an unknown key, a bad type or
-    sweep syntax outside ``-m``)."""
+def compose_config(overrides: Sequence[str], *, hydra: Any = None, config_name: str = CONFIG_NAME,
+                   check: bool = True) -> LearnerConfig:
+    """The typed config of one run for ``overrides``, composed as ``python -m vapo_async.learner``
+    composes it and (``check``) validated, without running anything. ``hydra``: the composer of a
+    command line (``_composer``); None builds the default one. Any problem (unknown key, bad type,
+    sweep syntax outside ``-m``, failed validation) is a ``ConfigError`` of one line."""
+    from hydra._internal.utils import get_args_parser
     from hydra.types import RunMode
     from omegaconf import open_dict, read_write
 
+    from vapo_async.learner.config import validate
+
+    if hydra is None:
+        with _composer(get_args_parser().parse_args([])) as default:
+            return compose_config(overrides, hydra=default, config_name=config_name, check=check)
     try:
         dcfg = hydra.compose_config(config_name=config_name, overrides=list(overrides), run_mode=RunMode.RUN,
                                     with_log_configuration=False)
         with read_write(dcfg), open_dict(dcfg):
             del dcfg["hydra"]  # what the task function receives
-        return _typed(dcfg)
+        cfg = _typed(dcfg)
+        if check:
+            validate(cfg)
     except ConfigError:
         raise
     except Exception as e:  # reported as one line and exit code 2 by main()
         raise ConfigError(one_line(e)) from e
+    return cfg
 
 
 def _typed(dcfg: DictConfig) -> LearnerConfig:
@@ -201,18 +213,6 @@ def _typed(dcfg: DictConfig) -> LearnerConfig:
     if not isinstance(cfg, LearnerConfig):
         raise ConfigError(f"the composed config is a {type(cfg).__name__}, not a LearnerConfig "
                           "(the primary config must build on learner_schema)")
-    return cfg
-
-
-def _validated(cfg: LearnerConfig) -> LearnerConfig:
-    from vapo_async.learner.config import validate
-
-    try:
-        validate(cfg)
-    except ConfigError:
-        raise
-    except Exception as e:
-        raise ConfigError(one_line(e)) from e
     return cfg
 
 

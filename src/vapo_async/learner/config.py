@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vapo_async.algo.presets import AlgoConfig
+from vapo_async.common.sampling import SamplingConfig
 from vapo_async.controller.config import ControllerConfig
 from vapo_async.data import DataConfig
 from vapo_async.data.tiny_base import TinyBaseConfig
 from vapo_async.learner.errors import (
     ConfigError as ConfigError,  # re-export: callers import it here
 )
+from vapo_async.learner.model_presets import check_model_preset
 from vapo_async.learner.trainer_config import STRATEGIES, TrainerConfig, trainer_kwargs
 from vapo_async.rewards import RewardConfig
 
@@ -65,18 +67,6 @@ class ModelConfig:
 
 
 @dataclass
-class SamplingConfig:
-    """How generators sample (sent to every generator in the controller's welcome)."""
-
-    temperature: float = 1.0
-    """Softmax temperature; the learner divides its logits by the same value."""
-    top_p: float = 1.0
-    """Nucleus mass (keep 1.0 for training: < 1 truncates the behaviour distribution)."""
-    max_tokens: int = 256
-    """Most tokens per response (longer ones are truncated and marked)."""
-
-
-@dataclass
 class GeneratorsConfig:
     """Generator processes the learner starts itself (more can join from anywhere)."""
 
@@ -99,7 +89,7 @@ class GeneratorsConfig:
     devices: list[int] | None = None
     """GPU: CUDA devices of the local generators as the learner sees them, tensor_parallel_size
     consecutive entries per generator (e.g. [6,7]); None = the devices the learner does not use,
-    then the learner's own (generator/placement.py)."""
+    then the learner's own (learner/placement.py)."""
     gpu_memory_utilization: float | None = None
     """GPU: share of each of its devices a local generator's vLLM may take; None = an equal part of
     what the learner and the evaluation engine leave there (0.9 on a device of its own)."""
@@ -179,7 +169,7 @@ class EvalConfig:
     (transformers generate: no extra engine, much slower on CPU)."""
     gpu_memory_utilization: float = 0.1
     """GPU, engine=vllm: share of CUDA device 0 the evaluation engine may take, counted beside the
-    learner's and any local generator's there (generator/placement.py)."""
+    learner's and any local generator's there (learner/placement.py)."""
 
 
 @dataclass
@@ -264,8 +254,6 @@ def validate(cfg: LearnerConfig) -> None:
     if cfg.sampling.temperature <= 0:
         raise ConfigError(f"sampling.temperature={cfg.sampling.temperature}: must be > 0 (the learner "
                           "divides logits by it)")
-    from vapo_async.learner.model_presets import check_model_preset  # imports this module
-
     check_model_preset(cfg.model.name, cfg.model.path)
     if cfg.reward.overlong_shaping:
         raise ConfigError("reward.overlong_shaping=true: use algo.overlong_shaping=true instead (the learner "
@@ -284,7 +272,7 @@ _PLACED_BY_LEARNER = {"engine.gpu_memory_utilization": "generators.gpu_memory_ut
 
 
 def check_placement_settings(cfg: LearnerConfig) -> None:
-    """The GPU placement settings, checked without a GPU (the plan itself: generator/placement.py)."""
+    """The GPU placement settings, checked without a GPU (the plan itself: learner/placement.py)."""
     gen = cfg.generators
     if gen.tensor_parallel_size < 1:
         raise ConfigError(f"generators.tensor_parallel_size={gen.tensor_parallel_size}: must be >= 1")

@@ -17,7 +17,7 @@ Other ranks show WARNING and up.
 - ``eval_engine.log``: all output of the processes the learner spawns with multiprocessing, i.e.
   the in-learner evaluation engine's EngineCore and Worker (vLLM's log, NUMA and Triton notices,
   progress bars, C-level warnings), which would otherwise write to the learner's terminal.
-Local generators log to ``RUN_DIR/generators/`` (``generator/launch.py``).
+Local generators log to ``RUN_DIR/generators/`` (``learner/launch.py``).
 
 Set-up -> run -> close per run (``RunLogs``), so the jobs of a ``-m`` sweep each get their own files.
 """
@@ -177,7 +177,7 @@ def _redirect_spawned_children() -> None:
     their stdout/stderr to ``_child_output``: they inherit this process's terminal otherwise, and
     part of what they print (C-level warnings, progress bars, records logged before vLLM configures
     logging) never passes through Python logging. Wraps ``multiprocessing.spawn.get_command_line``
-    as ``generator.orphans.arm`` does (idempotent; reads ``_child_output`` at each spawn)."""
+    as ``common.orphans.arm`` does (idempotent; reads ``_child_output`` at each spawn)."""
     global _spawn_wrapper
     fn: Any = multiprocessing.spawn.get_command_line
     while fn is not None:

@@ -12,7 +12,7 @@ due while the previous one still runs is skipped); otherwise training waits for 
 Sampler (``eval.engine``): ``vllm`` (default) keeps one vLLM engine in the learner's rank-0
 process, built at the first evaluation and reloaded in place with each version (prefix cache reset
 after a reload; ``vapo_async.eval.sample_and_score``; on a GPU it takes ``eval.gpu_memory_utilization``
-of device 0, planned beside the learner and the local generators by ``generator/placement.py``);
+of device 0, planned beside the learner and the local generators by ``learner/placement.py``);
 ``hf`` samples with ``transformers`` ``generate`` (no extra engine, ~10x slower on CPU).
 
 Departures: the paper evaluates at top_p 0.7 (AIME); this in-training check samples at
@@ -111,8 +111,8 @@ class VLLMEvaluator:
 
     def evaluate(self, model_dir: str, records: list[PromptRecord], cfg: EvalConfig, max_tokens: int,
                  reward_fn: Any, seed: int) -> dict[str, float]:
+        from vapo_async.common.engine import EngineConfig
         from vapo_async.eval.runner import build_llm, sample_and_score, summarize_results
-        from vapo_async.generator.config import EngineConfig
         from vapo_async.learner.console import route_vllm_logging
 
         t0 = time.monotonic()

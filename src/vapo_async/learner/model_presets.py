@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from vapo_async.learner.config import ConfigError
+from vapo_async.learner.errors import ConfigError
 
 log = logging.getLogger("vapo_async.learner")
 MODEL_CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"

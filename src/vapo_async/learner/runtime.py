@@ -28,13 +28,13 @@ from lightning.pytorch.callbacks import Callback
 
 from vapo_async.controller.server import Controller
 from vapo_async.data import PromptRecord
-from vapo_async.generator.launch import (
+from vapo_async.learner.config import LearnerConfig
+from vapo_async.learner.launch import (
     GeneratorHandle,
     start_local_generators,
     stop_generators,
     tail,
 )
-from vapo_async.learner.config import LearnerConfig
 from vapo_async.learner.module import LearnerModule
 from vapo_async.learner.rollouts import RolloutBatches
 from vapo_async.transport.messages import WeightAnnouncement
@@ -117,7 +117,7 @@ class Runtime(Callback):
             self.controller.announce(latest)  # version 0: generators without a model start from it
         self.controller.start()
         log.info("controller at %s (weights announced on %s)", self.controller.endpoint, self.controller.pub_endpoint)
-        from vapo_async.generator.placement import cuda_devices, plan_for_learner
+        from vapo_async.learner.placement import cuda_devices, plan_for_learner
 
         placement = plan_for_learner(self.cfg, cuda_devices())  # over-committed GPU memory: refused here
         if placement.uses:

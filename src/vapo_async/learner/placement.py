@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vapo_async.learner.errors import ConfigError
+
 if TYPE_CHECKING:
     from vapo_async.learner.config import LearnerConfig
 
@@ -245,8 +247,6 @@ def learner_device_indices(accelerator: str, devices: Any, n_devices: int) -> li
 def plan_for_learner(cfg: LearnerConfig, devices: Sequence[Device]) -> Placement:
     """``plan_placement`` for the node of learner rank 0 under ``cfg`` (a refusal is the learner's
     ``ConfigError``)."""
-    from vapo_async.learner.config import ConfigError
-
     gen = cfg.generators
     evaluating = cfg.eval.engine == "vllm" and cfg.eval.every_n_steps > 0
     try:

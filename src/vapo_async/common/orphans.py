@@ -101,7 +101,7 @@ def _wrap(original: Callable[..., list[str]]) -> Callable[..., list[str]]:
             return cmd
         i = cmd.index("-c") + 1
         main_thread = threading.current_thread() is threading.main_thread()
-        hook = (f"import sys; sys.path.append({_SRC!r}); from vapo_async.generator.orphans import _child; "
+        hook = (f"import sys; sys.path.append({_SRC!r}); from vapo_async.common.orphans import _child; "
                 f"_child({os.getpid()}, {main_thread}); ")
         cmd[i] = hook + cmd[i]
         return cmd

@@ -1,6 +1,6 @@
 """GPU placement of local generators and the evaluation engine, on declared devices (no GPU needed).
 
-Every expected assignment below is derived by hand from the rules in generator/placement.py:
+Every expected assignment below is derived by hand from the rules in learner/placement.py:
 bound B = 0.9; learner share l = 0.5 on each learner device; evaluation share e = 0.1 on device 0;
 an automatic generator share = floor((B - what the learner and eval hold there) / generators there,
 0.01), the smallest over its tensor-parallel devices.
@@ -16,8 +16,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from vapo_async.generator.launch import start_local_generators, stop_generators
-from vapo_async.generator.placement import (
+from vapo_async.learner.__main__ import CONF_DIR, check_overrides
+from vapo_async.learner.config import ConfigError, LearnerConfig
+from vapo_async.learner.launch import start_local_generators, stop_generators
+from vapo_async.learner.placement import (
     MEMORY_BOUND,
     Device,
     EnginePlacement,
@@ -26,8 +28,6 @@ from vapo_async.generator.placement import (
     plan_for_learner,
     plan_placement,
 )
-from vapo_async.learner.__main__ import CONF_DIR, check_overrides
-from vapo_async.learner.config import ConfigError, LearnerConfig
 
 GiB = 2**30
 

@@ -20,13 +20,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from vapo_async.generator.placement import EnginePlacement, generator_env
+from vapo_async.common.overrides import as_overrides
+from vapo_async.common.procs import stop_processes
+from vapo_async.learner.placement import EnginePlacement, generator_env
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +49,6 @@ class GeneratorHandle:
     def alive(self) -> bool:
         """The process has not exited."""
         return self.process.poll() is None
-
-
-def _overrides(overrides: Sequence[str] | Mapping[str, Any] | None) -> list[str]:
-    if overrides is None:
-        return []
-    if isinstance(overrides, Mapping):
-        return [f"{k}={'null' if v is None else v}" for k, v in overrides.items()]
-    return list(overrides)
 
 
 def _env(placement: EnginePlacement | None = None) -> dict[str, str]:
@@ -82,7 +75,7 @@ def start_local_generators(n: int, controller_endpoint: str,
         raise ValueError(f"{len(placements)} placements for {n} generators")
     out = Path(log_dir)
     out.mkdir(parents=True, exist_ok=True)
-    extra = _overrides(overrides)
+    extra = as_overrides(overrides)
     handles = []
     for i in range(n):
         gid = f"{id_prefix}-{i}"
@@ -100,37 +93,13 @@ def start_local_generators(n: int, controller_endpoint: str,
     return handles
 
 
-def _kill_group(pgid: int, wait_s: float = 5.0) -> None:
-    """SIGKILL every process of group ``pgid`` and wait up to ``wait_s`` until none is left."""
-    deadline = time.monotonic() + wait_s
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return
-    log.warning("process group %d still has members %.0f s after SIGKILL", pgid, wait_s)
-
-
-def stop_generators(handles: Sequence[GeneratorHandle], timeout_s: float = 30.0) -> list[int]:
+def stop_generators(handles: Sequence[GeneratorHandle], timeout_s: float = 30.0) -> list[int | None]:
     """SIGTERM every generator (each hands its leases back and exits 0), wait up to ``timeout_s``,
-    SIGKILL what is left, and kill leftovers of their process groups. Returns the exit codes."""
+    SIGKILL the process groups of those left, and kill leftovers of every group (an engine core
+    that outlived its generator). Returns the exit codes."""
+    codes = stop_processes([h.process for h in handles], signal.SIGTERM, timeout_s, group=True)
     for h in handles:
-        if h.alive():
-            h.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    codes = []
-    for h in handles:
-        try:
-            code = h.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("generator %s did not stop within %.0f s: SIGKILL", h.generator_id, timeout_s)
-            _kill_group(h.pid)
-            code = h.process.wait()
-        _kill_group(h.pid)  # an engine core that outlived its generator
         h._log_file.close()
-        codes.append(code)
     return codes
 
 
