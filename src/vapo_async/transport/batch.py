@@ -175,8 +175,8 @@ class RolloutBatch:
         return int(v.min()) if v.size else -1
 
     def nbytes(self) -> int:
-        """Payload bytes of the arrays."""
-        return int(sum(a.nbytes for a in self.data.values()))
+        """Payload bytes of the wire fields (the array frames of its group messages)."""
+        return int(sum(self.data[f.name].nbytes for f in WIRE_FIELDS))
 
     # ---- one group (a received message) ----
 
