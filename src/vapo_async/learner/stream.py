@@ -41,8 +41,11 @@ from vapo_async.transport.messages import WeightAnnouncement
 STATUS_OK, STATUS_EMPTY = 0, 1
 HEALTH_POLL_S = 5.0
 """While waiting for rollouts, check generator health this often."""
-_FLAT_DTYPES = [*RolloutBatch.flat_dtypes(), "<i8"]
-"""dtype of every scattered array: ``RolloutBatch.flat`` then the micro-batch slot of each response."""
+
+
+def _flat_dtypes() -> list[str]:
+    """dtype of every scattered array: ``RolloutBatch.flat`` then the micro-batch slot of each response."""
+    return [*RolloutBatch.flat_dtypes(), "<i8"]
 
 
 class GroupSource(Protocol):
@@ -274,7 +277,7 @@ class RolloutStream:
             self._bcast(torch.cat([sizes.view(-1), torch.tensor(plan.n_micro, dtype=torch.int64)]))
             self._bcast(_norms_tensor(plan.norms))
             mine = [self._scatter([_to_torch(p[k]) for p in parts], sizes[:, k], dt)
-                    for k, dt in enumerate(_FLAT_DTYPES)]
+                    for k, dt in enumerate(_flat_dtypes())]
         else:
             mine = parts[0]
         return _local(mine, list(plan.n_micro), list(plan.norms))
@@ -283,11 +286,11 @@ class RolloutStream:
         head = self._bcast(torch.zeros(2, dtype=torch.int64))
         if int(head[0]) == STATUS_EMPTY:
             return _empty()
-        m, k = int(head[1]), len(_FLAT_DTYPES)
+        m, k = int(head[1]), len(_flat_dtypes())
         meta = self._bcast(torch.zeros(self.world * k + m, dtype=torch.int64))
         sizes = meta[: self.world * k].view(self.world, k)
         norms = _norms_list(self._bcast(torch.zeros(m * 4, dtype=torch.float64)))
-        mine = [self._scatter(None, sizes[:, j], dt) for j, dt in enumerate(_FLAT_DTYPES)]
+        mine = [self._scatter(None, sizes[:, j], dt) for j, dt in enumerate(_flat_dtypes())]
         return _local(mine, meta[self.world * k:].tolist(), norms)
 
     def _bcast(self, t: torch.Tensor) -> torch.Tensor:

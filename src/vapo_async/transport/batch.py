@@ -59,9 +59,20 @@ FIELDS: tuple[Field, ...] = (
     Field("seq_adv", "<f4", RESPONSE, False, "learner: sequence-level (GRPO/DAPO group) advantage, 0 unused"),
     Field("admission", "<i8", GROUP, False, "controller: admission slot k of the group (-1 before receipt)", fill=-1),
 )
-"""Every array of a batch, declared once."""
-BY_NAME = {f.name: f for f in FIELDS}
-WIRE_FIELDS = tuple(f for f in FIELDS if f.wire)
+"""Every array of a batch, declared once (everything below and in ``rollout.py`` reads it at call time)."""
+
+
+def field_named(name: str) -> Field:
+    """The ``FIELDS`` entry ``name``."""
+    for f in FIELDS:
+        if f.name == name:
+            return f
+    raise KeyError(f"no rollout field {name!r}")
+
+
+def wire_fields() -> tuple[Field, ...]:
+    """The fields a generator sends, in frame order."""
+    return tuple(f for f in FIELDS if f.wire)
 
 
 class GroupInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,7 +136,7 @@ class RolloutBatch:
 
     def __getattr__(self, name: str) -> np.ndarray:
         data = self.__dict__.get("data")
-        if data is not None and name in BY_NAME:
+        if data is not None and name in data:
             return data[name]
         raise AttributeError(f"RolloutBatch has no attribute {name!r}")
 
@@ -158,7 +169,7 @@ class RolloutBatch:
 
     def split(self, name: str) -> list[np.ndarray]:
         """Field ``name`` cut into views: per response for TOKEN fields, per group otherwise."""
-        level = BY_NAME[name].level
+        level = field_named(name).level
         lens = {TOKEN: self.response_lens, PROMPT: self.prompt_lens, RESPONSE: self.group_sizes}.get(
             level, np.ones(self.n_groups, dtype=np.int64))
         off, a = _offsets(lens), self.data[name]
@@ -176,7 +187,7 @@ class RolloutBatch:
 
     def nbytes(self) -> int:
         """Payload bytes of the wire fields (the array frames of its group messages)."""
-        return int(sum(self.data[f.name].nbytes for f in WIRE_FIELDS))
+        return int(sum(self.data[f.name].nbytes for f in wire_fields()))
 
     # ---- one group (a received message) ----
 
@@ -289,7 +300,7 @@ class RolloutBatch:
     def replace(self, **arrays: np.ndarray) -> RolloutBatch:
         """A batch sharing everything but the given fields."""
         return RolloutBatch(self.prompt_lens, self.group_sizes, self.response_lens,
-                            {**self.data, **{k: np.asarray(v, dtype=BY_NAME[k].dtype) for k, v in arrays.items()}},
+                            {**self.data, **{k: np.asarray(v, dtype=field_named(k).dtype) for k, v in arrays.items()}},
                             self.info)
 
     # ---- flat arrays (the learner's scatter): lengths, then FIELDS in table order ----

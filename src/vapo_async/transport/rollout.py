@@ -21,7 +21,8 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from vapo_async.transport.batch import FIELDS, GROUP, PROMPT, RESPONSE, TOKEN, WIRE_FIELDS, GroupInfo, RolloutBatch
+from vapo_async.transport import batch as table
+from vapo_async.transport.batch import GROUP, PROMPT, RESPONSE, TOKEN, GroupInfo, RolloutBatch
 from vapo_async.transport.wire import (
     MAX_GROUP_SIZE,
     MAX_PROMPT_TOKENS,
@@ -35,14 +36,16 @@ from vapo_async.transport.wire import (
     encode,
 )
 
-DTYPES = {f.name: f.dtype for f in WIRE_FIELDS}
-"""Wire dtype of each array frame; a header declaring anything else is rejected (reason ``dtype``)."""
-N_FRAMES = 1 + len(WIRE_FIELDS)
+
+
+def wire_dtypes() -> dict[str, str]:
+    """Wire dtype of each array frame; a header declaring anything else is rejected (reason ``dtype``)."""
+    return {f.name: f.dtype for f in table.wire_fields()}
 
 
 class GroupMessage(WireMessage, tag="group"):
     """Header of a ``group`` message (generator -> controller). Invariants beyond the types:
-    ``dtypes`` equals ``DTYPES``; ``finish_reasons`` is empty or has one entry per response."""
+    ``dtypes`` equals ``wire_dtypes()``; ``finish_reasons`` is empty or has one entry per response."""
 
     info: GroupInfo
     prompt_len: Annotated[int, msgspec.Meta(ge=1, le=MAX_PROMPT_TOKENS)]
@@ -51,8 +54,8 @@ class GroupMessage(WireMessage, tag="group"):
     dtypes: dict[str, str]
 
     def __post_init__(self) -> None:
-        if self.dtypes != DTYPES:
-            raise MessageError("dtype", f"dtypes {str(self.dtypes)[:200]} != {DTYPES}")
+        if self.dtypes != wire_dtypes():
+            raise MessageError("dtype", f"dtypes {str(self.dtypes)[:200]} != {wire_dtypes()}")
         if self.info.finish_reasons and len(self.info.finish_reasons) != len(self.lengths):
             raise MessageError("field", "finish_reasons must be G short strings or empty")
 
@@ -72,12 +75,12 @@ def encode_group(g: RolloutBatch) -> list[bytes | memoryview]:
     if info is None:
         raise ValueError(f"a group message carries one group with its GroupInfo, got {g.n_groups} groups")
     header = GroupMessage(info=info, prompt_len=int(g.prompt_lens[0]),
-                          lengths=tuple(int(n) for n in g.response_lens), dtypes=DTYPES)
-    return [encode(header), *(_as_frame(g.data[f.name], f.dtype) for f in WIRE_FIELDS)]
+                          lengths=tuple(int(n) for n in g.response_lens), dtypes=wire_dtypes())
+    return [encode(header), *(_as_frame(g.data[f.name], f.dtype) for f in table.wire_fields())]
 
 
-def _array(view: memoryview, name: str, n: int) -> np.ndarray:
-    dtype = np.dtype(DTYPES[name])
+def _array(view: memoryview, name: str, dtype_str: str, n: int) -> np.ndarray:
+    dtype = np.dtype(dtype_str)
     if view.nbytes != n * dtype.itemsize:
         raise MessageError("length_mismatch", f"{name}: {view.nbytes} bytes, expected {n} x {dtype.itemsize}")
     if dtype == np.bool_:
@@ -115,12 +118,13 @@ def _check_values(b: RolloutBatch, limits: MessageLimits, vocab_size: int | None
 def decode_group_frames(h: GroupMessage, views: Sequence[memoryview], limits: MessageLimits, *,
                         vocab_size: int | None, max_version: int | None) -> RolloutBatch:
     """The batch of a ``group`` message whose header ``h`` is decoded and frames size-checked."""
-    if len(views) != N_FRAMES:
-        raise MessageError("frame_count", f"group has {len(views)} frames, expected {N_FRAMES}")
+    wire = table.wire_fields()
+    if len(views) != 1 + len(wire):
+        raise MessageError("frame_count", f"group has {len(views)} frames, expected {1 + len(wire)}")
     lens = np.asarray(h.lengths, dtype=np.int64)
     sizes = {PROMPT: h.prompt_len, TOKEN: int(lens.sum()), RESPONSE: len(lens), GROUP: 1}
-    wire = {f.name: _array(v, f.name, sizes[f.level]) for f, v in zip(WIRE_FIELDS, views[1:], strict=True)}
-    data = {f.name: wire[f.name] if f.wire else np.full(sizes[f.level], f.fill, f.dtype) for f in FIELDS}
+    got = {f.name: _array(v, f.name, f.dtype, sizes[f.level]) for f, v in zip(wire, views[1:], strict=True)}
+    data = {f.name: got[f.name] if f.wire else np.full(sizes[f.level], f.fill, f.dtype) for f in table.FIELDS}
     b = RolloutBatch(np.array([h.prompt_len], dtype=np.int64), np.array([len(lens)], dtype=np.int64), lens,
                      data, [h.info])
     _check_values(b, limits, vocab_size, max_version)
