@@ -10,6 +10,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vapo_async.transport.batch import batches_equal
 from vapo_async.transport.messages import (
     Ack,
     Bye,
@@ -32,7 +33,6 @@ from vapo_async.transport.messages import (
     decode_group,
     encode_group,
 )
-from vapo_async.transport.batch import batches_equal
 from vapo_async.transport.synthetic import random_group
 from vapo_async.transport.wire import MAX_GROUP_SIZE, MAX_RESPONSE_TOKENS
 

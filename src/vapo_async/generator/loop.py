@@ -48,9 +48,9 @@ from vapo_async.rewards import Score
 from vapo_async.transport.messages import (
     Ack,
     ErrorReply,
+    GroupInfo,
     Lease,
     LeasePrompt,
-    GroupInfo,
     RolloutBatch,
     WeightAnnouncement,
     Welcome,

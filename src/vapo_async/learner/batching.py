@@ -33,7 +33,6 @@ import torch
 
 from vapo_async.transport.batch import RolloutBatch
 
-
 # ---- planning: mini-batches, rank shares, micro-batches ----
 
 

@@ -22,7 +22,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from vapo_async.transport.batch import GroupInfo, RolloutBatch
-from vapo_async.transport.rollout import GroupMessage, decode_group, decode_group_frames, encode_group
+from vapo_async.transport.rollout import (
+    GroupMessage,
+    decode_group,
+    decode_group_frames,
+    encode_group,
+)
 from vapo_async.transport.wire import (
     MAX_LEASE_PROMPTS,
     MAX_VERSION,

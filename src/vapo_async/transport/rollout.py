@@ -37,7 +37,6 @@ from vapo_async.transport.wire import (
 )
 
 
-
 def wire_dtypes() -> dict[str, str]:
     """Wire dtype of each array frame; a header declaring anything else is rejected (reason ``dtype``)."""
     return {f.name: f.dtype for f in table.wire_fields()}

@@ -22,9 +22,9 @@ import numpy as np
 from vapo_async.transport.client import ControllerClient
 from vapo_async.transport.config import TransportConfig
 from vapo_async.transport.messages import (
+    GroupInfo,
     Lease,
     LeasePrompt,
-    GroupInfo,
     RolloutBatch,
     WeightAnnouncement,
     Welcome,
