@@ -23,7 +23,7 @@ def test_concat_and_select_responses_keep_every_token() -> None:
     seqs = RolloutBatch.concat(groups)
     assert seqs.n_responses == 15
     order = [7, 0, 14, 3]
-    part = seqs.select_responses(order)
+    part = seqs.select_responses(order, with_info=True)
     assert part.group_sizes.tolist() == [1, 1, 1, 1]
     for row, i in enumerate(order):
         g, j = groups[i // 3], i % 3

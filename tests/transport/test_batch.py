@@ -67,7 +67,7 @@ def test_concat_then_split_gives_the_groups_back() -> None:
 
 def test_select_responses_makes_groups_of_one_with_their_prompt() -> None:
     ab = RolloutBatch.concat([_g0(), _g1()])
-    part = ab.select_responses([3, 0, 2])
+    part = ab.select_responses([3, 0, 2], with_info=True)
     # response 3 = group 1's only one; 0 and 2 = group 0's first and (empty) last
     assert part.group_sizes.tolist() == [1, 1, 1] and part.prompt_lens.tolist() == [1, 3, 3]
     assert part.prompt_ids.tolist() == [8, 5, 6, 7, 5, 6, 7]

@@ -264,7 +264,7 @@ class RolloutBatch:
             {f.name: cat([b.data[f.name] for b in batches], f.dtype) for f in FIELDS},
             infos if all(b.info or not b.n_groups for b in batches) else [])
 
-    def _take(self, groups: np.ndarray, responses: np.ndarray, sizes: np.ndarray) -> RolloutBatch:
+    def _take(self, groups: np.ndarray, responses: np.ndarray, sizes: np.ndarray, with_info: bool) -> RolloutBatch:
         """Responses ``responses`` as groups ``groups`` (their source groups) of ``sizes``."""
         index = {PROMPT: (_offsets(self.prompt_lens), groups), TOKEN: (_offsets(self.response_lens), responses)}
         data = {}
@@ -273,7 +273,7 @@ class RolloutBatch:
             data[f.name] = gather_ranges(a, *index[f.level]) if f.level in index else \
                 a[groups if f.level == GROUP else responses]
         info = []
-        if self.info:
+        if self.info and with_info:
             first, starts = _offsets(self.group_sizes), _offsets(sizes)
             for k, g in enumerate(groups.tolist()):
                 reasons = self.info[g].finish_reasons
@@ -286,16 +286,17 @@ class RolloutBatch:
         """Whole groups ``idx`` (in that order)."""
         g = np.asarray(idx, dtype=np.int64).reshape(-1)
         return self._take(g, gather_ranges(np.arange(self.n_responses), _offsets(self.group_sizes), g),
-                          self.group_sizes[g])
+                          self.group_sizes[g], with_info=True)
 
     def groups(self) -> list[RolloutBatch]:
         """Every group as a batch of one."""
         return [self.take_groups([k]) for k in range(self.n_groups)]
 
-    def select_responses(self, idx: Sequence[int] | np.ndarray) -> RolloutBatch:
-        """Responses ``idx`` (in that order), each as a group of one with its prompt."""
+    def select_responses(self, idx: Sequence[int] | np.ndarray, with_info: bool = False) -> RolloutBatch:
+        """Responses ``idx`` (in that order), each as a group of one with its prompt; ``info``
+        only ``with_info`` (rank shares and micro-batches need the arrays alone)."""
         r = np.asarray(idx, dtype=np.int64).reshape(-1)
-        return self._take(self.group_of_response[r], r, np.ones(len(r), dtype=np.int64))
+        return self._take(self.group_of_response[r], r, np.ones(len(r), dtype=np.int64), with_info)
 
     def replace(self, **arrays: np.ndarray) -> RolloutBatch:
         """A batch sharing everything but the given fields."""
