@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,6 +43,28 @@ def _scalars(tb_dir: Path) -> dict[str, dict[int, float]]:
     return out
 
 
+def _histograms_and_text(tb_dir: Path) -> tuple[dict[str, dict[int, Any]], dict[str, dict[int, str]]]:
+    """Histograms (tag -> step -> HistogramValue) and text summaries (tag -> step -> markdown), read
+    back with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+    from tensorboard.util import tensor_util
+
+    mux = EventMultiplexer(size_guidance={"histograms": 0, "tensors": 0})
+    mux.AddRunsFromDirectory(str(tb_dir))
+    mux.Reload()
+    hist: dict[str, dict[int, Any]] = {}
+    text: dict[str, dict[int, str]] = {}
+    for run in mux.Runs():
+        acc = mux.GetAccumulator(run)
+        for tag in acc.Tags()["histograms"]:
+            hist.setdefault(tag, {}).update({e.step: e.histogram_value for e in acc.Histograms(tag)})
+        for tag in acc.Tags()["tensors"]:
+            for e in acc.Tensors(tag):
+                value = tensor_util.make_ndarray(e.tensor_proto).reshape(-1)[0]
+                text.setdefault(tag, {})[e.step] = value.decode() if isinstance(value, bytes) else str(value)
+    return hist, text
+
+
 def test_fsdp_learner_with_generator_runs_and_resumes(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     common = [
@@ -68,6 +91,27 @@ def test_fsdp_learner_with_generator_runs_and_resumes(tiny_model_dir, tmp_path):
         assert scalars["rollout/token_version_min"][done] == done - 1
         assert scalars["rollout/token_version_max"][done] == done - 1
         assert scalars["async/staleness_mean"][done] == 0.0
+        # every token is fresh (staleness 0): the fp32 generator and the fp32 learner agree on its
+        # log-prob to rounding (measured 2026-12-06: kl ~5e-14, max |dlogp| 9.5e-7 = 2^-20)
+        assert scalars["mismatch/tokens"][done] == scalars["rollout/response_tokens"][done]
+        assert scalars["mismatch/kl"][done] < 1e-10, scalars["mismatch/kl"]
+        assert scalars["mismatch/abs_logp_max"][done] < 1e-4, scalars["mismatch/abs_logp_max"]
+    # health read back: histograms and sample text of every step (histograms/text every step)
+    hist, text = _histograms_and_text(run_dir / "tb")
+    for done in (1, 2, 3):
+        stale, weight = hist["async/staleness"][done], hist["actor/behav_weight"][done]
+        # one entry per response token; eta = 0: every staleness is 0, so min = max = sum = 0
+        assert stale.num == scalars["rollout/response_tokens"][done]
+        assert stale.min == stale.max == stale.sum == 0.0
+        # one behaviour weight pi_prox / pi_behav per token of rank 0 (its share of the batch: 128 of
+        # 243-256 here); fp32 pair at equal version: all 1 to rounding (measured 1 +- 1e-6)
+        assert 0 < weight.num <= scalars["rollout/response_tokens"][done]
+        assert abs(weight.min - 1) < 1e-4 and abs(weight.max - 1) < 1e-4
+        assert weight.sum == pytest.approx(weight.num, rel=1e-5)
+        sample = text["samples/responses/text_summary"][done]
+        # logging.text_samples = 4 groups of this step's 4, each with its prompt, reward and correctness
+        assert sample.count("**prompt**") == 4 and sample.count("**response** (reward ") == 4, sample[:2000]
+        assert sample.count("correct True") + sample.count("correct False") == 4
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     assert saved["global_step"] == 3 and saved["vapo"]["version"] == 3
     assert saved["callbacks"], "controller state missing from the checkpoint"
@@ -84,3 +128,27 @@ def test_fsdp_learner_with_generator_runs_and_resumes(tiny_model_dir, tmp_path):
     final = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     assert final["global_step"] == 4 and final["vapo"]["version"] == 4
     assert (run_dir / "weights" / "v00000004" / "model.safetensors").is_file()
+
+
+def test_a_bf16_generator_shows_as_mismatch(tiny_model_dir, tmp_path):
+    """The same synchronous run with the generator in bfloat16 against the fp32 learner: the
+    mismatch figures rise by orders of magnitude over the fp32 pair's, and the learner says so.
+    Measured 2026-12-06 on the tiny Qwen2: kl ~8e-7 (fp32 pair ~5e-14), max |dlogp| ~4e-3 (9.5e-7),
+    mean |dlogp| ~1e-3 (2e-7); k3 is second order in dlogp, hence the small KL."""
+    run_dir = tmp_path / "run"
+    proc = _learner(run_dir, [
+        f"model.path={tiny_model_dir}", "trainer.accelerator=cpu", "trainer.devices=1",
+        "algo.batch_groups=4", "algo.group_size=4", "algo.mini_batches=1", "algo.value_warmup_steps=0",
+        "algo.warmup_steps=0", "algo.eta=0", "sampling.max_tokens=16", "eval.every_n_steps=0",
+        "data.n_train=64", "data.n_eval=8", f"controller.transport.endpoint=ipc://{tmp_path}/ctl",
+        "trainer.max_steps=2", "trainer.enable_progress_bar=false", "generators.max_prompts=4",
+        "generators.overrides=['engine.dtype=bfloat16']", "logging.mismatch_warn_kl=1e-8"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    scalars = _scalars(run_dir / "tb")
+    for step in (1, 2):
+        assert scalars["mismatch/tokens"][step] == scalars["rollout/response_tokens"][step]
+        assert scalars["mismatch/kl"][step] > 1e-8, scalars["mismatch/kl"]  # fp32 pair: < 1e-10 (test above)
+        assert scalars["mismatch/abs_logp_max"][step] > 1e-3, scalars["mismatch/abs_logp_max"]  # fp32: < 1e-4
+        assert scalars["mismatch/abs_logp_mean"][step] > 1e-4, scalars["mismatch/abs_logp_mean"]
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert log.count("log-prob mismatch KL") == 1, log[-3000:]  # once per crossing, not every step

@@ -139,6 +139,11 @@ class LoggingConfig:
     """Responses shown each time."""
     print_tensorboard_command: bool = True
     """Print ``tensorboard --logdir ...`` at start-up."""
+    mismatch_warn_kl: float = 0.01
+    """A warning line when ``mismatch/kl`` (generator vs learner log-probs of the tokens sampled
+    with the learner's current version, ``algo/mismatch.py``) passes this value, once per crossing
+    (measured on the tiny model on CPU: fp32 pair ~5e-14, a bf16 generator against the fp32 learner
+    ~8e-7; k3 is second order in the log-prob gap, so 0.01 means gaps of ~0.1 nat on average)."""
 
 
 @dataclass

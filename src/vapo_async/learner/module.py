@@ -34,8 +34,10 @@ from vapo_async.learner.models import load_actor, load_critic, shard
 from vapo_async.learner.publish import WeightPublishing
 from vapo_async.learner.stream import GroupSource, LocalBatch, RolloutStream, StreamConfig
 from vapo_async.learner.update import (
+    Prepared,
     batch_is_finite,
     compute_advantages,
+    mismatch,
     ppo_updates,
     recompute,
 )
@@ -91,6 +93,8 @@ class LearnerModule(L.LightningModule):
         """Training steps done (= global_step)."""
         self.version = 0
         """Policy version of the current actor weights (0 = the base model)."""
+        self._mismatch_high = False
+        """The last ``mismatch/kl`` was above ``logging.mismatch_warn_kl`` (warn once per crossing)."""
         self.warmup_stopped_at: int | None = None
         """Step at which value pretraining ended early on the explained-variance threshold."""
         self.source: GroupSource | None = None
@@ -237,6 +241,7 @@ class LearnerModule(L.LightningModule):
             rec.metrics["train/skipped_nonfinite_batch"] = 1.0
             return False
         rec.metrics["train/skipped_nonfinite_batch"] = 0.0
+        rec.metrics.update(self._mismatch(prep))
         weights = [torch.exp(p.logp_prox - p.mb.logp_behav)[p.mask > 0] for p in prep]
         rec.behav_weights = torch.cat(weights).float().cpu() if weights else None
         opts = self._optimizers()
@@ -247,6 +252,21 @@ class LearnerModule(L.LightningModule):
             train_actor=not warmup, backward=self.manual_backward, seed=self.cfg.seed * 7919 + self.step)
         rec.metrics.update(counters.reduce())
         return counters.actor_steps > 0
+
+    def _mismatch(self, prep: list[Prepared]) -> dict[str, float]:
+        """``mismatch/*`` of this step's fresh tokens, and one warning each time the KL rises past
+        ``logging.mismatch_warn_kl`` (collective)."""
+        out = mismatch(prep, self.version, self.algo.behav_cap)
+        kl, limit = out.get("mismatch/kl"), self.cfg.logging.mismatch_warn_kl
+        if kl is not None and (kl > limit) != self._mismatch_high:
+            self._mismatch_high = kl > limit
+            if self._mismatch_high:
+                log.warning("step %d: generator/learner log-prob mismatch KL %.3g > logging.mismatch_warn_kl=%g at "
+                            "equal policy version (max |dlogp| %.3g): check engine.dtype, the sampler, the weights",
+                            self.step, kl, limit, out["mismatch/abs_logp_max"])
+            else:
+                log.info("step %d: mismatch KL back to %.3g (<= %g)", self.step, kl, limit)
+        return out
 
     def _micro_batches(self, local: LocalBatch) -> list[MicroBatch]:
         """One micro-batch per flat slot (a padding one where this rank has no sequence)."""

@@ -35,6 +35,7 @@ from torch import nn
 
 from vapo_async.algo import losses as L
 from vapo_async.algo.advantages import token_advantages
+from vapo_async.algo.mismatch import MISMATCH_KEYS, fresh_tokens, mismatch_metrics, mismatch_sums
 from vapo_async.algo.presets import AlgoConfig
 from vapo_async.algo.stats import entropy_from_logits, gather_logprobs, masked_mean
 from vapo_async.learner.batching import MicroBatch, MinibatchNorms
@@ -161,6 +162,21 @@ def _advantage_stats(s: dict[str, float]) -> dict[str, float]:
         out["critic/value_mean"] = s["val_sum"] / n
         out["critic/return_mean"] = s["ret_sum"] / n
     return out
+
+
+def mismatch(prep: list[Prepared], version: int, behav_cap: float | None) -> dict[str, float]:
+    """``mismatch/*`` over every rank's tokens sampled with ``version`` (the weights pi_prox was just
+    recomputed with; collective: one all-reduce of the sums, one of the maximum)."""
+    acc = torch.zeros(len(MISMATCH_KEYS), dtype=torch.float64)
+    for p in prep:
+        sums = mismatch_sums(p.logp_prox, p.mb.logp_behav, fresh_tokens(p.mb.versions, p.mask, version), behav_cap)
+        for i, k in enumerate(MISMATCH_KEYS):
+            acc[i] = torch.maximum(acc[i], sums[k].cpu()) if k == "abs_max" else acc[i] + sums[k].cpu()
+    i_max = MISMATCH_KEYS.index("abs_max")
+    peak = all_reduce_(acc[i_max:i_max + 1].clone(), dist.ReduceOp.MAX)
+    acc = all_reduce_(acc)
+    acc[i_max] = peak[0]
+    return mismatch_metrics(dict(zip(MISMATCH_KEYS, acc.tolist(), strict=True)))
 
 
 def batch_is_finite(prep: list[Prepared]) -> bool:
