@@ -53,6 +53,7 @@ class PosthocEval:
         from vapo_async.eval.runner import sample_and_score, summarize_results
         from vapo_async.learner.__main__ import compose_config, resolve_model
         from vapo_async.rewards import build_reward_fn
+        from vapo_async.transport.weights import version_dir_name
 
         cfg = compose_config(record.overrides)
         base = resolve_model(cfg)
@@ -63,7 +64,7 @@ class PosthocEval:
         try:
             for step in self.eval_steps(versions):
                 version = 0 if step == 0 else int(versions[step])
-                path = base if version == 0 else str(run_dir / "weights" / f"v{version:08d}")
+                path = base if version == 0 else str(run_dir / "weights" / version_dir_name(version))
                 if not Path(path, "config.json").is_file():
                     raise FileNotFoundError(f"{record.variant} seed {record.seed}: version {version} (step {step}) "
                                             f"not found at {path}")

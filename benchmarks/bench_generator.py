@@ -109,7 +109,7 @@ def run_loop(eng, ps: list[Prompt], g: int, t: int, tmp: Path, vocab: int) -> tu
         def learner() -> None:
             groups = ctl.next_batch(len(ps), timeout_s=600)
             result["t1"] = time.perf_counter()
-            result["tokens"] = sum(sum(gr.lengths) for gr in groups)
+            result["tokens"] = sum(int(gr.response_lens.sum()) for gr in groups)
             loop.stop()
 
         th = threading.Thread(target=learner, daemon=True)

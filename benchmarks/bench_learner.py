@@ -43,23 +43,24 @@ sys.path.insert(0, str(REPO / "src"))
 from vapo_async.algo.presets import preset  # noqa: E402
 from vapo_async.data.hf_dir import write_random_qwen2  # noqa: E402
 from vapo_async.data.tiny_base import TinyBaseConfig  # noqa: E402
-from vapo_async.learner.batching import Sequences, collate, make_plan  # noqa: E402
+from vapo_async.learner.batching import collate, make_plan  # noqa: E402
 from vapo_async.learner.models import load_actor, load_critic  # noqa: E402
 from vapo_async.learner.update import compute_advantages, ppo_updates, recompute  # noqa: E402
-from vapo_async.transport.rollout import RolloutGroup  # noqa: E402
+from vapo_async.transport.batch import GroupInfo, RolloutBatch  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 
 
-def make_batch(n_groups: int, g: int, vocab: int, seed: int) -> list[RolloutGroup]:
+def make_batch(n_groups: int, g: int, vocab: int, seed: int) -> list[RolloutBatch]:
+    """``n_groups`` random groups of ``g`` responses (one-prompt batches, as the controller hands them over)."""
     rng = np.random.default_rng(seed)
     out = []
     for k in range(n_groups):
         p = int(rng.integers(40, 81))
         lens = rng.integers(20, 201, size=g)
         correct = rng.random(g) < 0.5
-        out.append(RolloutGroup(
-            lease_id=k, prompt_index=k, generator_id="bench", prompt_ids=rng.integers(3, vocab, p).astype(np.int32),
+        out.append(RolloutBatch.from_group(
+            GroupInfo(lease_id=k, prompt_index=k, generator_id="bench"), prompt_ids=rng.integers(3, vocab, p).astype(np.int32),
             response_ids=[rng.integers(3, vocab, int(n)).astype(np.int32) for n in lens],
             logprobs=[rng.uniform(-2.0, -0.01, int(n)).astype(np.float32) for n in lens],
             versions=[np.zeros(int(n), np.int32) for n in lens], rewards=np.where(correct, 1.0, -1.0).astype(np.float32),
@@ -67,13 +68,13 @@ def make_batch(n_groups: int, g: int, vocab: int, seed: int) -> list[RolloutGrou
     return out
 
 
-def step_flops(seqs: Sequences, tb: TinyBaseConfig, vocab: int, epochs: int) -> float:
+def step_flops(seqs: RolloutBatch, tb: TinyBaseConfig, vocab: int, epochs: int) -> float:
     """Model FLOPs of one training step on the real tokens of ``seqs`` (see module docstring)."""
     return model_flops(seqs, tb.hidden_size, tb.intermediate_size, tb.num_layers, tb.num_heads, tb.num_kv_heads,
                        vocab, epochs)
 
 
-def model_flops(seqs: Sequences, d: int, f: int, n_l: int, heads: int, kv_heads: int, vocab: int, epochs: int) -> float:
+def model_flops(seqs: RolloutBatch, d: int, f: int, n_l: int, heads: int, kv_heads: int, vocab: int, epochs: int) -> float:
     """Actor + critic model FLOPs of one step: hidden ``d``, MLP ``f``, ``n_l`` layers (also used by
     tools/device_check.sh)."""
     kv = d // heads * kv_heads
@@ -98,13 +99,13 @@ def matmul_rate(n: int = 1024, repeats: int = 10) -> float:
     return 2 * n**3 / best
 
 
-def bench_config(model_dir: Path, groups: list[RolloutGroup], micro_tokens: int, overhead: float, steps: int,
+def bench_config(model_dir: Path, groups: list[RolloutBatch], micro_tokens: int, overhead: float, steps: int,
                  tb: TinyBaseConfig, vocab: int) -> dict:
     algo = preset("vapo")
     actor, critic = load_actor(model_dir), load_critic(model_dir)
     opt_a = torch.optim.AdamW(actor.parameters(), lr=1e-5)
     opt_c = torch.optim.AdamW(critic.parameters(), lr=1e-5)
-    seqs = Sequences.from_groups(groups)
+    seqs = RolloutBatch.concat(groups)
     times, pads = [], []
     for s in range(steps + 1):
         plan = make_plan(seqs, 1, algo.mini_batches, micro_tokens, torch.Generator().manual_seed(s), overhead)

@@ -37,10 +37,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from bench_learner import make_batch, model_flops
 from vapo_async.algo.presets import preset
 from vapo_async.data.hf_dir import train_tokenizer
-from vapo_async.learner.batching import Sequences
 from vapo_async.learner.config import LearnerConfig
 from vapo_async.learner.module import LearnerModule
 from vapo_async.learner.stream import ListSource
+from vapo_async.transport.batch import RolloutBatch
 
 t_start = time.time()
 dev = torch.device("cuda" if cuda else "cpu")
@@ -95,7 +95,7 @@ if not smoke:  # longer prompts and responses than the tiny bench: 128 + 256..76
         grp.response_ids = [rng.integers(3, shape["vocab_size"], int(n)).astype(np.int32) for n in lens]
         grp.logprobs = [rng.uniform(-2.0, -0.01, int(n)).astype(np.float32) for n in lens]
         grp.versions = [np.zeros(int(n), np.int32) for n in lens]
-seqs = Sequences.from_groups(groups)
+seqs = RolloutBatch.concat(groups)
 
 cfg = LearnerConfig()
 cfg.algo = dataclasses.replace(preset("vapo"), value_warmup_steps=0, batch_groups=n_groups, group_size=g,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vapo_async.controller.server import Controller
-from vapo_async.transport.messages import RolloutGroup, WeightAnnouncement
+from vapo_async.transport.messages import RolloutBatch, WeightAnnouncement
 from vapo_async.transport.synthetic import ScriptedGenerator
 
 VOCAB = 500
@@ -46,8 +46,8 @@ class GeneratorThread:
 
 
 def run_learner(ctl: Controller, n_batches: int, batch_groups: int, steps: int | None = None,
-                on_batch: Callable[[int, list[RolloutGroup]], None] | None = None,
-                timeout_s: float = 30.0, first_step: int = 0) -> list[list[RolloutGroup]]:
+                on_batch: Callable[[int, list[RolloutBatch]], None] | None = None,
+                timeout_s: float = 30.0, first_step: int = 0) -> list[list[RolloutBatch]]:
     """Take ``n_batches`` batches; after each of the first ``steps`` (default all) batches call
     step_done with the next version's announcement (version = steps done), like the real learner.
     Steps are numbered from ``first_step`` (a resumed run)."""
@@ -64,5 +64,5 @@ def run_learner(ctl: Controller, n_batches: int, batch_groups: int, steps: int |
     return batches
 
 
-def trained_ids(batches: list[list[RolloutGroup]]) -> list[int]:
+def trained_ids(batches: list[list[RolloutBatch]]) -> list[int]:
     return sorted(g.admission_index for b in batches for g in b)

@@ -30,7 +30,7 @@ from vapo_async.transport.messages import (
     Hello,
     Lease,
     Request,
-    RolloutGroup,
+    RolloutBatch,
     WeightsRefused,
     Welcome,
 )
@@ -88,7 +88,7 @@ class Sim:
         order = PromptOrder(n_prompts, 3)
         self.expected_prompt = [order.next() for _ in range(1000)]  # item k carries the k-th prompt of the order
         self.received: set[int] = set()  # items whose group was accepted (in-flight ones leave it on restart)
-        self.consumed: list[RolloutGroup] = []  # handed to the learner, not yet marked
+        self.consumed: list[RolloutBatch] = []  # handed to the learner, not yet marked
         self.trained: list[int] = []
         self.dropped: list[int] = []
         self.hello("g0", True, True, 4)  # one generator from the start, asking for work
@@ -104,7 +104,7 @@ class Sim:
         ``ControllerClient`` (the controller restarted or forgot an idle session)."""
         known = self.ctl.sessions.get(ident) is not None
         out = self.ctl.handle(ident, msg, self.now)
-        if not isinstance(msg, Hello | RolloutGroup):
+        if not isinstance(msg, Hello | RolloutBatch):
             assert out == ([] if known else [Outgoing(ident, ErrorReply("unknown_session", "say hello first"))])
         if not known and not isinstance(msg, Hello):
             gen = next(g for g in self.gens.values() if ident in g.idents)
@@ -112,7 +112,7 @@ class Sim:
                 self.hello(gen.name, False, False, 4)
         return out
 
-    def _group(self, name: str, lease: Lease, prompt: int, version: int, size: int) -> RolloutGroup:
+    def _group(self, name: str, lease: Lease, prompt: int, version: int, size: int) -> RolloutBatch:
         return random_group(np.random.default_rng(prompt), lease_id=lease.lease_id, prompt_index=prompt,
                             generator_id=name, group_size=size, lengths=(1, 3), vocab_size=VOCAB,
                             version=version)

@@ -266,10 +266,10 @@ class StandIn:
         """Every trained token was sampled by a published, untampered version within eta of training
         (dropped stale groups included in the tampering check)."""
         for g in self.dropped:
-            assert not set(np.unique(np.concatenate(g.versions)).tolist()) & set(self.tampered)
+            assert not set(np.unique(np.asarray(g.versions)).tolist()) & set(self.tampered)
         for batch, at in zip(self.batches, self.trained_at, strict=True):
             for g in batch:
-                v = np.concatenate(g.versions)
+                v = np.asarray(g.versions)
                 assert v.max() <= at and v.min() >= at - self.eta, (g.generator_id, v.min(), v.max(), at)
                 assert not set(np.unique(v).tolist()) & set(self.tampered), \
                     f"{g.generator_id} sampled with a refused version: {np.unique(v)}"

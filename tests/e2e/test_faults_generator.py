@@ -264,7 +264,7 @@ def test_sigkill_three_times_with_restarts_loses_nothing(make_run, pool: Generat
     by_gen = run.by_generator()
     for k in kills:
         mine = by_gen[k["restarted_as"]]  # it contributed
-        first = min(int(np.concatenate(g.versions).min()) for g in mine)
+        first = min(int(np.asarray(g.versions).min()) for g in mine)
         # started from the base weights (version 0): it loaded the latest version before sampling
         assert k["version_at_restart"] >= 1 and first >= k["version_at_restart"], k
     print(f"\nSIGKILL run: {len(run.batches)} steps, longest wait {wait:.2f} s, accounting {acc}, "

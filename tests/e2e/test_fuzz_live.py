@@ -29,7 +29,7 @@ from vapo_async.transport.config import TransportConfig
 from vapo_async.transport.fuzz import FAMILIES
 from vapo_async.transport.messages import (
     MessageLimits,
-    RolloutGroup,
+    RolloutBatch,
     WeightAnnouncement,
     encode_group,
 )
@@ -44,7 +44,7 @@ LIMITS = MessageLimits(max_frame_bytes=256 << 10)
 """Small frame limit so that the ~780 oversized frames (limit + 4 bytes each) stay cheap to send."""
 
 
-def _wire(g: RolloutGroup) -> bytes:
+def _wire(g: RolloutBatch) -> bytes:
     return b"".join(bytes(f) for f in encode_group(g))
 
 
@@ -56,7 +56,7 @@ class RecordingGenerator(ScriptedGenerator):
         self.sent_bytes: dict[tuple[int, int], bytes] = {}
         send = self.client.send_group
 
-        def send_and_record(group: RolloutGroup) -> bool:
+        def send_and_record(group: RolloutBatch) -> bool:
             ok = send(group)
             if ok:
                 self.sent_bytes[(group.lease_id, group.prompt_index)] = _wire(group)
@@ -86,7 +86,7 @@ def test_ten_thousand_malformed_messages_during_a_run(tmp_path: Path) -> None:
                                 delay_s=0.002, lengths=(4, 48), seed=1)
     gen_thread = threading.Thread(target=honest.run, kwargs={"connect_timeout_s": 20}, daemon=True)
     gen_thread.start()
-    batches: list[list[RolloutGroup]] = []
+    batches: list[list[RolloutBatch]] = []
     try:
         batches.append(ctl.next_batch(B, 30))  # the run is going before the attack starts
         ctl.mark_trained(batches[-1])

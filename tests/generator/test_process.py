@@ -25,7 +25,7 @@ from vapo_async.learner.launch import (
     tail,
 )
 from vapo_async.transport.config import TransportConfig
-from vapo_async.transport.messages import RolloutGroup
+from vapo_async.transport.messages import RolloutBatch
 from vapo_async.transport.weights import WeightPublisher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -58,16 +58,17 @@ def _wait(cond, what: str, handle: GeneratorHandle, timeout_s: float = 240.0) ->
         time.sleep(0.2)
 
 
-def _check(groups: list[RolloutGroup], tokenizer, version: int) -> None:
+def _check(groups: list[RolloutBatch], tokenizer, version: int) -> None:
     for g in groups:
         assert g.generator_id == "local-0" and g.group_size == G
         np.testing.assert_array_equal(g.prompt_ids, tokenizer.encode(PROMPTS[g.prompt_index].prompt))
-        for ids, lp, v, reason in zip(g.response_ids, g.logprobs, g.versions, g.finish_reasons, strict=True):
+        for ids, lp, v, reason in zip(g.split("response_ids"), g.split("logprobs"), g.split("versions"),
+                                      g.info[0].finish_reasons, strict=True):
             assert 1 <= len(ids) <= MAX_TOKENS and len(lp) == len(ids)
             assert (v == version).all(), f"versions {v} != {version}"
             assert np.isfinite(lp).all() and (lp <= 0).all()
             assert reason in ("stop", "length")
-        np.testing.assert_array_equal(g.truncated, [r == "length" for r in g.finish_reasons])
+        np.testing.assert_array_equal(g.truncated, [r == "length" for r in g.info[0].finish_reasons])
         np.testing.assert_array_equal(g.rewards, np.where(g.correct, 1.0, -1.0))
 
 
@@ -86,8 +87,8 @@ def test_generator_process_with_controller(published: Published, tiny_model_dir:
         first = ctl.next_batch(B, timeout_s=120)
         _check(first, tokenizer, 0)
         g = first[0]
-        ref = np.concatenate([hf_logprobs(hf(published.dir(0)), g.prompt_ids, r, 1.0) for r in g.response_ids])
-        assert np.abs(ref - np.concatenate(g.logprobs)).mean() < 1e-3
+        ref = np.concatenate([hf_logprobs(hf(published.dir(0)), g.prompt_ids, r, 1.0) for r in g.split("response_ids")])
+        assert np.abs(ref - g.logprobs).mean() < 1e-3
         ctl.mark_trained(first)
         ctl.step_done(published.publish(1))  # eta = 0: the next leases require version 1
         second = ctl.next_batch(B, timeout_s=120)

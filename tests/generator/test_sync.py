@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from genhelp import Published, generate
+from msgspec.structs import replace
 
 from vapo_async.common.sampling import GroupSamplingConfig
 from vapo_async.generator.sync import WeightSync

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from vapo_async.transport.rollout import RolloutGroup
+from vapo_async.transport.batch import GroupInfo, RolloutBatch
 
 
 def make_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0, version: int = 0,
-                max_prompt: int = 9, max_response: int = 14, min_response: int = 1) -> list[RolloutGroup]:
+                max_prompt: int = 9, max_response: int = 14, min_response: int = 1) -> list[RolloutBatch]:
     """Random groups: prompt/response lengths vary, log-probs in [-3, -0.05], rewards +-1 with the
     correct flag matching the reward; every group has both signs unless G == 1."""
     rng = np.random.default_rng(seed)
@@ -19,8 +19,8 @@ def make_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0, versi
         correct = rng.random(group_size) < 0.5
         if group_size > 1:
             correct[0], correct[1] = True, False
-        groups.append(RolloutGroup(
-            lease_id=k, prompt_index=k, generator_id="test",
+        groups.append(RolloutBatch.from_group(
+            GroupInfo(lease_id=k, prompt_index=k, generator_id="test"),
             prompt_ids=rng.integers(3, vocab, size=p).astype(np.int32),
             response_ids=[rng.integers(3, vocab, size=int(n)).astype(np.int32) for n in lens],
             logprobs=[rng.uniform(-3.0, -0.05, size=int(n)).astype(np.float32) for n in lens],

@@ -10,32 +10,27 @@ import torch
 from learner_helpers import make_groups
 
 from vapo_async.learner.batching import (
-    Sequences,
     balanced_partition,
     collate,
     make_plan,
     micro_batches,
 )
+from vapo_async.transport.batch import RolloutBatch
 
 
-def test_from_groups_and_select_keep_every_token() -> None:
+def test_concat_and_select_responses_keep_every_token() -> None:
     groups = make_groups(5, 3, vocab=50, seed=1)
-    seqs = Sequences.from_groups(groups)
-    assert seqs.n == 15
+    seqs = RolloutBatch.concat(groups)
+    assert seqs.n_responses == 15
     order = [7, 0, 14, 3]
-    part = seqs.select(order)
-    off = 0
-    roff = 0
-    for i in order:
+    part = seqs.select_responses(order, with_info=True)
+    assert part.group_sizes.tolist() == [1, 1, 1, 1]
+    for row, i in enumerate(order):
         g, j = groups[i // 3], i % 3
-        expect = np.concatenate([g.prompt_ids, g.response_ids[j]])
-        n = len(expect)
-        assert part.tokens[off:off + n].tolist() == expect.tolist()
-        L = len(g.response_ids[j])
-        assert torch.equal(part.logp_behav[roff:roff + L], torch.from_numpy(g.logprobs[j]))
-        off += n
-        roff += L
-    assert part.group.tolist() == [i // 3 for i in order]
+        assert part.split("prompt_ids")[row].tolist() == g.prompt_ids.tolist()
+        assert part.response("response_ids", row).tolist() == g.response("response_ids", j).tolist()
+        assert part.response("logprobs", row).tobytes() == g.response("logprobs", j).tobytes()
+    assert [i.prompt_index for i in part.info] == [i // 3 for i in order]
     assert part.rewards.tolist() == [float(groups[i // 3].rewards[i % 3]) for i in order]
 
 
@@ -98,11 +93,11 @@ def test_micro_batches_is_optimal_against_brute_force() -> None:
 
 
 def test_plan_minibatches_do_not_depend_on_world() -> None:
-    seqs = Sequences.from_groups(make_groups(6, 4, vocab=40, seed=3))
+    seqs = RolloutBatch.concat(make_groups(6, 4, vocab=40, seed=3))
     plans = {w: make_plan(seqs, w, 3, 64, torch.Generator().manual_seed(5)) for w in (1, 2, 3)}
     for w, plan in plans.items():
         every = sorted(i for r in plan.rank_index for i in r)
-        assert every == list(range(seqs.n)), f"world {w}: each sequence exactly once"
+        assert every == list(range(seqs.n_responses)), f"world {w}: each sequence exactly once"
         for r in range(w):
             assert len(plan.rank_index[r]) == len(plan.micro_id[r])
             assert all(0 <= s < sum(plan.n_micro) for s in plan.micro_id[r])
@@ -118,7 +113,7 @@ def test_plan_minibatches_do_not_depend_on_world() -> None:
 
 
 def test_plan_respects_token_budget_and_balances() -> None:
-    seqs = Sequences.from_groups(make_groups(16, 4, vocab=40, seed=4))
+    seqs = RolloutBatch.concat(make_groups(16, 4, vocab=40, seed=4))
     plan = make_plan(seqs, 2, 1, 60, torch.Generator().manual_seed(0), overhead_tokens=16)
     lens = seqs.seq_lens.tolist()
     loads = [sum(lens[i] for i in plan.rank_index[r]) for r in range(2)]
@@ -132,16 +127,17 @@ def test_plan_respects_token_budget_and_balances() -> None:
 
 def test_collate_positions_predict_response_tokens() -> None:
     groups = make_groups(3, 2, vocab=30, seed=7)
-    seqs = Sequences.from_groups(groups)
+    seqs = RolloutBatch.concat(groups)
     mb = collate(seqs, [0, 3, 5], pad_id=0)
     for row, i in enumerate([0, 3, 5]):
         g, j = groups[i // 2], i % 2
-        L, P = len(g.response_ids[j]), len(g.prompt_ids)
+        resp = g.response("response_ids", j)
+        L, P = len(resp), len(g.prompt_ids)
         assert mb.resp_mask[row].sum().item() == L
-        assert mb.response_ids[row, :L].tolist() == g.response_ids[j].tolist()
+        assert mb.response_ids[row, :L].tolist() == resp.tolist()
         # the logits at position resp_index predict the next token: input_ids[pos + 1] = response token
         for t in range(L):
             pos = int(mb.resp_index[row, t])
             assert pos == P - 1 + t
-            assert int(mb.input_ids[row, pos + 1]) == int(g.response_ids[j][t])
+            assert int(mb.input_ids[row, pos + 1]) == int(resp[t])
         assert mb.attention_mask[row].sum().item() == P + L

@@ -8,6 +8,7 @@ import torch
 from learner_helpers import make_groups
 
 from vapo_async.learner.stream import ListSource, RolloutStream, StreamConfig
+from vapo_async.transport.batch import GroupInfo, RolloutBatch
 
 
 def _stream(source, **kw) -> RolloutStream:
@@ -28,14 +29,14 @@ def test_stale_groups_are_dropped_counted_and_refilled():
     assert batch.stats["rollout/sampling_rounds"] == 4.0
     assert len(batch.groups) == 4 and all(g.oldest_version() == 4 for g in batch.groups)
     assert source.dropped == 4
-    assert batch.seqs.n == 16
+    assert batch.seqs.n_responses == 16
     assert batch.stats["async/staleness_mean"] == 1.0  # every kept token: 5 - 4
 
 
 def test_all_stale_gives_an_empty_batch_after_max_rounds():
     source = ListSource(make_groups(3, 4, 50, seed=1, version=0), restamp=False)
     batch = _stream(source, eta=0, max_sampling_rounds=3).next(step=0, version=2)
-    assert batch.empty and batch.seqs.n == 0
+    assert batch.empty and batch.seqs.n_responses == 0
     assert batch.stats["async/dropped_stale"] == 12.0  # 3 rounds x 4 groups
     source_steps = source.steps
     _stream(source).finish(None)
@@ -57,17 +58,16 @@ def test_dynamic_sampling_drops_all_equal_groups():
 
 
 def test_group_advantage_and_overlong_penalty():
-    g = make_groups(1, 4, 50, seed=5, min_response=3, max_response=3)[0]
-    g.response_ids[3] = np.arange(10, 20, dtype=np.int32)  # lengths 3, 3, 3, 10
-    g.logprobs[3] = np.full(10, -1.0, dtype=np.float32)
-    g.versions[3] = np.zeros(10, dtype=np.int32)
-    g.rewards[:] = [1.0, -1.0, 1.0, 1.0]
-    g.correct[:] = [True, False, True, True]
+    lens = [3, 3, 3, 10]
+    g = RolloutBatch.from_group(
+        GroupInfo(lease_id=0, prompt_index=0, generator_id="test"), prompt_ids=np.arange(3, 8),
+        response_ids=[np.arange(10, 10 + n) for n in lens], logprobs=[np.full(n, -1.0) for n in lens],
+        versions=[np.zeros(n) for n in lens], rewards=[1.0, -1.0, 1.0, 1.0], correct=[True, False, True, True])
     stream = _stream(ListSource([g]), batch_groups=1, group_advantage=True, overlong=(10, 4))
-    seqs = stream._sequences([g])
+    seqs = stream._score([g])
     # R_len: L_max - L_cache = 6; lengths 3 -> 0; length 10 -> (6 - 10) / 4 = -1 => rewards 1, -1, 1, 0
-    torch.testing.assert_close(seqs.rewards, torch.tensor([1.0, -1.0, 1.0, 0.0]))
+    torch.testing.assert_close(torch.from_numpy(seqs.rewards), torch.tensor([1.0, -1.0, 1.0, 0.0]))
     # group advantage: mean 0.25, unbiased std sqrt(((.75)^2 * 2 + 1.25^2 + .25^2) / 3) = sqrt(2.75 / 3)
     std = (2.75 / 3) ** 0.5
     expected = (torch.tensor([1.0, -1.0, 1.0, 0.0]) - 0.25) / (std + 1e-6)
-    torch.testing.assert_close(seqs.seq_adv, expected)
+    torch.testing.assert_close(torch.from_numpy(seqs.seq_adv), expected)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from learner_helpers import make_groups
@@ -13,7 +14,7 @@ from vapo_async.algo import losses as L
 from vapo_async.algo.advantages import gae, length_adaptive_lambda, place_terminal_rewards
 from vapo_async.algo.presets import PRESETS
 from vapo_async.algo.stats import masked_whiten
-from vapo_async.learner.batching import MinibatchNorms, Sequences, collate, make_plan
+from vapo_async.learner.batching import MinibatchNorms, collate, make_plan
 from vapo_async.learner.models import load_actor, load_critic
 from vapo_async.learner.update import (
     StepCounters,
@@ -23,6 +24,7 @@ from vapo_async.learner.update import (
     ppo_updates,
     recompute,
 )
+from vapo_async.transport.batch import RolloutBatch
 
 TEMPERATURE = 0.7
 
@@ -42,18 +44,17 @@ def _algo(**kw):
     return dataclasses.replace(base, **kw)
 
 
-def _by_hand_logp(actor, seqs: Sequences) -> tuple[torch.Tensor, torch.Tensor]:
+def _by_hand_logp(actor, seqs: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(S, Tr) log-probs of the response tokens from one plain forward per sequence (no batching,
     no padding), and the (S, Tr) mask: logits at position P + t - 1 predict response token t."""
     lens = seqs.response_lens.tolist()
     tr = max(lens)
-    logp = torch.zeros(seqs.n, tr)
-    mask = torch.zeros(seqs.n, tr)
-    off = 0
-    for i in range(seqs.n):
-        p, r = int(seqs.prompt_lens[i]), lens[i]
-        ids = seqs.tokens[off:off + p + r]
-        off += p + r
+    logp = torch.zeros(seqs.n_responses, tr)
+    mask = torch.zeros(seqs.n_responses, tr)
+    prompts = seqs.split("prompt_ids")
+    for i, k in enumerate(seqs.group_of_response.tolist()):
+        p, r = len(prompts[k]), lens[i]
+        ids = torch.from_numpy(np.concatenate([prompts[k], seqs.response("response_ids", i)]).astype(np.int64))
         logits = actor(input_ids=ids[None]).logits[0].float() / TEMPERATURE  # (P + L, V)
         lp = torch.log_softmax(logits[p - 1:p + r - 1], dim=-1)
         logp[i, :r] = lp.gather(-1, ids[p:, None]).squeeze(-1)
@@ -64,11 +65,11 @@ def _by_hand_logp(actor, seqs: Sequences) -> tuple[torch.Tensor, torch.Tensor]:
 def test_actor_loss_equals_algo_by_hand(models, tiny_model_dir):
     actor, critic = models
     algo = _algo(nll_coef=0.1, aggregation="token", whiten_advantages=True)
-    seqs = Sequences.from_groups(make_groups(3, 4, vocab=300, seed=11))
+    seqs = RolloutBatch.concat(make_groups(3, 4, vocab=300, seed=11))
     # micro-batches of <= 40 padded tokens: several micro-batches, so the scaling is exercised
     plan = make_plan(seqs, 1, 1, 40, torch.Generator().manual_seed(0))
     assert plan.n_micro[0] > 2
-    local = seqs.select(plan.rank_index[0])
+    local = seqs.select_responses(plan.rank_index[0])
     slots = {}
     for i, s in enumerate(plan.micro_id[0]):
         slots.setdefault(s, []).append(i)
@@ -87,19 +88,19 @@ def test_actor_loss_equals_algo_by_hand(models, tiny_model_dir):
     with torch.no_grad():
         old = logp.detach()
         values = torch.zeros_like(mask)
-        full = collate(local, list(range(local.n)), pad_id=0)
+        full = collate(local, list(range(local.n_responses)), pad_id=0)
         v_all = critic(input_ids=full.input_ids, attention_mask=full.attention_mask).logits.squeeze(-1)
-        for i in range(local.n):
+        for i in range(local.n_responses):
             p, r = int(local.prompt_lens[i]), int(local.response_lens[i])
             values[i, :r] = v_all[i, p - 1:p + r - 1]
-        rewards = place_terminal_rewards(local.rewards, mask)
-        lam = length_adaptive_lambda(local.response_lens, algo.alpha)
+        rewards = place_terminal_rewards(torch.from_numpy(local.rewards), mask)
+        lam = length_adaptive_lambda(torch.from_numpy(local.response_lens), algo.alpha)
         adv, _ = gae(rewards, values, mask, algo.gamma, lam)
         adv = masked_whiten(adv, mask)
     behav = full.logp_behav
     pg, _ = L.policy_loss(logp, old, behav, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
                           behav_cap=algo.behav_cap, behav_mode=algo.behav_mode, aggregation=algo.aggregation)
-    nll = L.positive_nll_loss(logp, mask, local.correct)
+    nll = L.positive_nll_loss(logp, mask, torch.from_numpy(local.correct))
     expected = pg + algo.nll_coef * nll
     expected.backward()
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
@@ -110,9 +111,9 @@ def test_actor_loss_equals_algo_by_hand(models, tiny_model_dir):
 def test_critic_loss_equals_algo_by_hand(models):
     actor, critic = models
     algo = _algo(value_clip=0.2)
-    seqs = Sequences.from_groups(make_groups(2, 4, vocab=300, seed=12))
+    seqs = RolloutBatch.concat(make_groups(2, 4, vocab=300, seed=12))
     plan = make_plan(seqs, 1, 1, 40, torch.Generator().manual_seed(1))
-    local = seqs.select(plan.rank_index[0])
+    local = seqs.select_responses(plan.rank_index[0])
     slots = {}
     for i, s in enumerate(plan.micro_id[0]):
         slots.setdefault(s, []).append(i)
@@ -123,7 +124,7 @@ def test_critic_loss_equals_algo_by_hand(models):
     norms = plan.norms[0]
     total = sum(critic_micro_loss(critic, p, norms, algo, counters) for p in prep)
     # by hand: one padded batch, returns from GAE with lambda_critic = 1 (= the terminal reward)
-    full = collate(local, list(range(local.n)), pad_id=0)
+    full = collate(local, list(range(local.n_responses)), pad_id=0)
     values = critic(input_ids=full.input_ids, attention_mask=full.attention_mask).logits.squeeze(-1)
     values = values.gather(1, full.resp_index) * full.resp_mask
     old = values.detach()
@@ -143,10 +144,10 @@ def test_value_pretraining_leaves_actor_bit_identical(tiny_model_dir):
     before_actor = {k: v.clone() for k, v in actor.state_dict().items()}
     before_critic = {k: v.clone() for k, v in critic.state_dict().items()}
     algo = _algo(ppo_epochs=2)
-    seqs = Sequences.from_groups(make_groups(4, 4, vocab=300, seed=13))
+    seqs = RolloutBatch.concat(make_groups(4, 4, vocab=300, seed=13))
     plan = make_plan(seqs, 1, 2, 64, torch.Generator().manual_seed(2))
     assert len(plan.n_micro) == 2
-    local = seqs.select(plan.rank_index[0])
+    local = seqs.select_responses(plan.rank_index[0])
     slot_items: dict[int, list[int]] = {}
     for i, s in enumerate(plan.micro_id[0]):
         slot_items.setdefault(s, []).append(i)
@@ -182,7 +183,7 @@ def test_nonfinite_gradient_skips_step(tiny_model_dir):
 
 
 def test_minibatch_norms_cover_positives():
-    seqs = Sequences.from_groups(make_groups(5, 4, vocab=50, seed=3))
+    seqs = RolloutBatch.concat(make_groups(5, 4, vocab=50, seed=3))
     plan = make_plan(seqs, 2, 2, 64, torch.Generator().manual_seed(0))
     total = MinibatchNorms(0, 0, 0, 0)
     for n in plan.norms:
@@ -191,7 +192,7 @@ def test_minibatch_norms_cover_positives():
         total.seqs += n.seqs
     assert total.tokens == float(seqs.response_lens.sum())
     assert total.pos_tokens == float(seqs.response_lens[seqs.correct].sum())
-    assert total.seqs == seqs.n
+    assert total.seqs == seqs.n_responses
 
 
 def test_actor_entropy_bonus_and_kl_terms_by_hand(models):
@@ -206,9 +207,9 @@ def test_actor_entropy_bonus_and_kl_terms_by_hand(models):
         gen = torch.Generator().manual_seed(3)
         for q in ref.parameters():
             q.add_(torch.randn(q.shape, generator=gen) * 0.02)
-    seqs = Sequences.from_groups(make_groups(2, 4, vocab=300, seed=14))
+    seqs = RolloutBatch.concat(make_groups(2, 4, vocab=300, seed=14))
     plan = make_plan(seqs, 1, 1, 40, torch.Generator().manual_seed(0))
-    local = seqs.select(plan.rank_index[0])
+    local = seqs.select_responses(plan.rank_index[0])
     slots: dict[int, list[int]] = {}
     for i, s in enumerate(plan.micro_id[0]):
         slots.setdefault(s, []).append(i)
@@ -221,13 +222,12 @@ def test_actor_entropy_bonus_and_kl_terms_by_hand(models):
         total = sum(actor_micro_loss(actor, p, plan.norms[0], extra, TEMPERATURE, StepCounters()) for p in prep)
         h_sum = k3_sum = 0.0
         n = 0
-        off = 0
         ref_logp, _ = _by_hand_logp(ref, local)
         logp, mask = _by_hand_logp(actor, local)
-        for i in range(local.n):
+        for i in range(local.n_responses):
             p, r = int(local.prompt_lens[i]), int(local.response_lens[i])
-            ids = local.tokens[off:off + p + r]
-            off += p + r
+            ids = torch.from_numpy(np.concatenate([local.split("prompt_ids")[i],
+                                                   local.response("response_ids", i)]).astype(np.int64))
             lp = torch.log_softmax(actor(input_ids=ids[None]).logits[0].float()[p - 1:p + r - 1] / TEMPERATURE, -1)
             h_sum += float(-(lp.exp() * lp).sum())
             d = ref_logp[i, :r] - logp[i, :r]

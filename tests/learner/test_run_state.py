@@ -20,17 +20,17 @@ from vapo_async.learner.module import LearnerModule
 from vapo_async.learner.rollouts import RolloutBatches
 from vapo_async.learner.state import RunState
 from vapo_async.learner.stream import ListSource
-from vapo_async.transport.rollout import RolloutGroup
+from vapo_async.transport.batch import RolloutBatch
 
 
 class RecordingSource(ListSource):
     """A ListSource that records (steps reported done, version) at every pull."""
 
-    def __init__(self, groups: Sequence[RolloutGroup]) -> None:
+    def __init__(self, groups: Sequence[RolloutBatch]) -> None:
         super().__init__(groups)
         self.pulls: list[tuple[int, int]] = []
 
-    def next_batch(self, n_groups: int, timeout_s: float | None = None) -> list[RolloutGroup]:
+    def next_batch(self, n_groups: int, timeout_s: float | None = None) -> list[RolloutBatch]:
         self.pulls.append((self.steps, self.version))
         return super().next_batch(n_groups, timeout_s)
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vapo_async.transport.batch import batches_equal
 from vapo_async.transport.messages import (
     Ack,
     Bye,
@@ -22,7 +24,7 @@ from vapo_async.transport.messages import (
     MessageError,
     MessageLimits,
     Request,
-    RolloutGroup,
+    RolloutBatch,
     WeightAnnouncement,
     Welcome,
     decode_announcement,
@@ -32,35 +34,29 @@ from vapo_async.transport.messages import (
     encode_group,
 )
 from vapo_async.transport.synthetic import random_group
+from vapo_async.transport.wire import MAX_GROUP_SIZE, MAX_RESPONSE_TOKENS
 
 V = 1000
 LIMITS = MessageLimits()
 
 
-def _group(seed: int = 0, G: int = 4, lengths: tuple[int, int] = (0, 50), version: int = 3) -> RolloutGroup:
+def _group(seed: int = 0, G: int = 4, lengths: tuple[int, int] = (0, 50), version: int = 3) -> RolloutBatch:
     g = random_group(np.random.default_rng(seed), lease_id=7, prompt_index=11, generator_id="gen-a",
                      group_size=G, lengths=lengths, vocab_size=V, version=version)
-    g.gen_time_s = 1.25
+    g.info[0] = msgspec.structs.replace(g.info[0], gen_time_s=1.25)
     return g
 
 
-def _assert_bit_equal(a: RolloutGroup, b: RolloutGroup) -> None:
-    assert (a.lease_id, a.prompt_index, a.generator_id) == (b.lease_id, b.prompt_index, b.generator_id)
-    assert (a.finish_reasons, a.gen_time_s) == (b.finish_reasons, b.gen_time_s)
-    for name in ("prompt_ids", "rewards", "correct", "truncated"):
-        x, y = getattr(a, name), getattr(b, name)
-        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name
-    for name in ("response_ids", "logprobs", "versions"):
-        xs, ys = getattr(a, name), getattr(b, name)
-        assert len(xs) == len(ys) == a.group_size
-        for x, y in zip(xs, ys, strict=True):
-            assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name
+def _assert_bit_equal(a: RolloutBatch, b: RolloutBatch) -> None:
+    assert a.info == b.info and a.info[0].gen_time_s == 1.25
+    assert batches_equal(a, b)
 
 
 @pytest.mark.parametrize("seed,G", [(0, 1), (1, 8), (2, 16)])
 def test_group_round_trip_bit_exact_in_memory(seed: int, G: int) -> None:
     g = _group(seed, G)
-    g.logprobs[0][:3] = np.array([-0.0, -1e-38, -3.4e38], np.float32)[: len(g.logprobs[0][:3])]  # edge floats
+    lp0 = g.response("logprobs", 0)
+    lp0[:3] = np.array([-0.0, -1e-38, -3.4e38], np.float32)[: len(lp0[:3])]  # edge floats
     _assert_bit_equal(g, decode_group(encode_group(g), LIMITS, vocab_size=V, max_version=3))
 
 
@@ -75,10 +71,10 @@ def test_group_round_trip_over_ipc_socket_is_bit_exact_and_zero_copy(tmp_path) -
         out = decode_group(frames, LIMITS, vocab_size=V, max_version=3)
         _assert_bit_equal(g, out)
         # the decoded arrays are views onto the received frames, not copies
-        assert np.shares_memory(out.response_ids[0], np.frombuffer(frames[2].buffer, np.uint8))
+        assert np.shares_memory(out.response_ids, np.frombuffer(frames[2].buffer, np.uint8))
 
 
-def _frames(g: RolloutGroup | None = None) -> list:
+def _frames(g: RolloutBatch | None = None) -> list:
     return [bytes(f) for f in encode_group(g or _group())]
 
 
@@ -120,7 +116,9 @@ def _malformed() -> list[tuple[str, list, str]]:
         ("big-endian logprobs", _with_header(f, dtypes={**h["dtypes"], "logprobs": ">f4"}), "dtype"),
         ("truncated logprob frame", [*f[:3], f[3][:-4], *f[4:]], "length_mismatch"),
         ("lengths disagree", _with_header(f, lengths=[*h["lengths"][:-1], h["lengths"][-1] + 1]), "length_mismatch"),
-        ("lengths count != G", _with_header(f, lengths=h["lengths"][:-1]), "length_mismatch"),
+        ("lengths count != G", _with_header(f, lengths=h["lengths"][:-1], info={**h["info"], "finish_reasons": []}),
+         "length_mismatch"),
+        ("no responses", _with_header(f, lengths=[]), "field_range"),
         ("wrong rewards shape", [*f[:5], f[5][:-4], *f[6:]], "length_mismatch"),
         ("token id == V", _with_array(f, 2, np.where(np.arange(total) == 0, V, ids).astype(np.int32)), "token_range"),
         ("negative token id", _with_array(f, 1, np.full(32, -1, np.int32)), "token_range"),
@@ -132,14 +130,15 @@ def _malformed() -> list[tuple[str, list, str]]:
         ("version goes back", _with_array(f, 4, np.where(np.arange(total) == 1, 2, 3).astype(np.int32)), "version_order"),
         ("NaN reward", _with_array(f, 5, np.array([np.nan, 1, 1, 1], np.float32)), "reward_nonfinite"),
         ("bool byte 2", _with_array(f, 6, np.array([2, 0, 1, 0], np.uint8)), "bool_value"),
-        ("G too large", _with_header(f, group_size=LIMITS.max_group_size + 1), "field_range"),
-        ("response too long", _with_header(f, lengths=[LIMITS.max_response_tokens + 1] * 4), "field_range"),
-        ("string lease id", _with_header(f, lease_id="7"), "field"),
-        ("negative lease id", _with_header(f, lease_id=-7), "field_range"),
-        ("missing generator id", _with_header(f, generator_id=None), "field"),
-        ("NaN gen time", _with_header(f, gen_time_s=float("nan")), "field_range"),
-        ("finish reasons wrong count", _with_header(f, finish_reasons=["stop"]), "field"),
-        ("ext type in header", _with_header(f, lease_id=msgpack.ExtType(1, b"x")), "field"),
+        ("G too large", _with_header(f, lengths=[0] * (MAX_GROUP_SIZE + 1)), "field_range"),
+        ("response too long", _with_header(f, lengths=[MAX_RESPONSE_TOKENS + 1] * 4), "field_range"),
+        ("string lease id", _with_header(f, info={**h["info"], "lease_id": "7"}), "field"),
+        ("negative lease id", _with_header(f, info={**h["info"], "lease_id": -7}), "field_range"),
+        ("missing generator id", _with_header(f, info={**h["info"], "generator_id": None}), "field"),
+        ("NaN gen time", _with_header(f, info={**h["info"], "gen_time_s": float("nan")}), "field_range"),
+        ("finish reasons wrong count", _with_header(f, info={**h["info"], "finish_reasons": ["stop"]}), "field"),
+        ("ext type in header", _with_header(f, info={**h["info"], "lease_id": msgpack.ExtType(1, b"x")}), "field"),
+        ("group without info", _with_header(f, info=None), "field"),
     ]
     assert int(ver.max()) == 3 and total > 3  # preconditions of the cases above
     return cases
@@ -164,10 +163,10 @@ def test_size_limits() -> None:
 
 def test_logprob_tolerance_is_tiny_and_not_clamped() -> None:
     g = _group()
-    g.logprobs[1][0] = 5e-7  # float round-off of log(1): accepted as is
+    g.response("logprobs", 1)[0] = 5e-7  # float round-off of log(1): accepted as is
     out = decode_group(encode_group(g), LIMITS, vocab_size=V, max_version=3)
-    assert out.logprobs[1][0] == np.float32(5e-7)
-    g.logprobs[1][0] = 2e-6
+    assert out.response("logprobs", 1)[0] == np.float32(5e-7)
+    g.response("logprobs", 1)[0] = 2e-6
     with pytest.raises(MessageError, match="logprob_positive"):
         decode_group(encode_group(g), LIMITS, vocab_size=V, max_version=3)
 
@@ -215,10 +214,10 @@ def test_malformed_control_messages(header: dict, reason: str) -> None:
 
 
 def test_announcement_file_names_and_checksum_are_checked() -> None:
-    bad = {**ANN.to_header(), "files": ["../model.safetensors"]}
+    bad = {**msgspec.structs.asdict(ANN), "files": ["../model.safetensors"]}
     with pytest.raises(MessageError, match="file_name"):
         decode_announcement([msgpack.packb({"schema": 1, "kind": "weights", **bad})], LIMITS)
-    bad = {**ANN.to_header(), "checksum": "not-hex"}
+    bad = {**msgspec.structs.asdict(ANN), "checksum": "not-hex"}
     with pytest.raises(MessageError, match="field_range"):
         decode_announcement([msgpack.packb({"schema": 1, "kind": "weights", **bad})], LIMITS)
 
@@ -247,4 +246,4 @@ def test_mutated_valid_groups_decode_or_raise_message_error(frame: int, pos: int
         g = decode_from_generator(frames, LIMITS, vocab_size=V, max_version=3)
     except MessageError:
         return
-    assert isinstance(g, RolloutGroup) and all(int(r.max(initial=0)) < V for r in g.response_ids)
+    assert isinstance(g, RolloutBatch) and int(g.response_ids.max(initial=0)) < V

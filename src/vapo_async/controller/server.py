@@ -39,7 +39,7 @@ from vapo_async.transport.messages import (
     Chunk,
     ErrorReply,
     MessageError,
-    RolloutGroup,
+    RolloutBatch,
     WeightAnnouncement,
     decode_from_generator,
 )
@@ -131,7 +131,7 @@ class Controller:
 
     # ---- learner API ----
 
-    def next_batch(self, n_groups: int, timeout_s: float | None = None) -> list[RolloutGroup]:
+    def next_batch(self, n_groups: int, timeout_s: float | None = None) -> list[RolloutBatch]:
         """The next ``n_groups`` received groups (arrival order). Raises ``TimeoutError`` after
         ``timeout_s`` (None = wait forever) and re-raises a failure of the controller thread."""
         if not 1 <= n_groups <= self.state.admission.max_batch():
@@ -149,12 +149,12 @@ class Controller:
                                        f"{self.state.describe()}")
                 self._cv.wait(1.0 if left is None else min(left, 1.0))
 
-    def mark_trained(self, groups: Sequence[RolloutGroup]) -> None:
+    def mark_trained(self, groups: Sequence[RolloutBatch]) -> None:
         """The learner trained on ``groups`` (from ``next_batch``); each exactly once, or it raises."""
         with self._lock:
             self.state.mark_trained(groups)
 
-    def mark_dropped(self, groups: Sequence[RolloutGroup]) -> None:
+    def mark_dropped(self, groups: Sequence[RolloutBatch]) -> None:
         """The learner consumed ``groups`` without training on them (dynamic sampling); their
         admission slots are released so replacements can be admitted."""
         with self._lock:
@@ -264,7 +264,7 @@ class Controller:
             with self._lock:
                 self._count_in(body)
                 out = self.state.handle(sender, msg, time.monotonic())
-                if isinstance(msg, RolloutGroup):
+                if isinstance(msg, RolloutBatch):
                     self._cv.notify_all()  # a group may complete the learner's batch
         self._send_all(out)
 

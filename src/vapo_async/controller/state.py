@@ -42,7 +42,7 @@ from vapo_async.transport.messages import (
     Lease,
     LeasePrompt,
     Request,
-    RolloutGroup,
+    RolloutBatch,
     WeightAnnouncement,
     WeightsRefused,
     Welcome,
@@ -105,7 +105,7 @@ class ControllerState:
         self.version = 0
         self.latest: WeightAnnouncement | None = None
         self.announcements: OrderedDict[int, WeightAnnouncement] = OrderedDict()
-        self.buffer: deque[RolloutGroup] = deque()
+        self.buffer: deque[RolloutBatch] = deque()
 
     # ---- generator events ----
 
@@ -119,7 +119,7 @@ class ControllerState:
             return [_unknown_session(sender)]
         s.last_seen = now
         self.ledger.heartbeat(sender, now, self.cfg.lease_timeout_s)
-        if isinstance(msg, Request | RolloutGroup):
+        if isinstance(msg, Request | RolloutBatch):
             s.suspended = False
         if isinstance(msg, Request):
             s.wanted = msg.credit
@@ -132,7 +132,7 @@ class ControllerState:
             log.info("generator %s left (%d leases re-issued)", s.generator_id, n)
         elif isinstance(msg, Fetch):
             return [Outgoing(sender, self._on_fetch(msg))]
-        elif isinstance(msg, RolloutGroup):
+        elif isinstance(msg, RolloutBatch):
             return [Outgoing(sender, self._on_group(s, msg, now))]
         elif not isinstance(msg, Heartbeat):
             raise TypeError(f"no handler for message {type(msg).__name__}")
@@ -183,7 +183,7 @@ class ControllerState:
                     "re-issued, no new ones until it loads a version", s.generator_id, msg.version, msg.reason,
                     msg.held, n)
 
-    def _on_group(self, s: Session, g: RolloutGroup, now: float) -> Ack:
+    def _on_group(self, s: Session, g: RolloutBatch, now: float) -> Ack:
         def refused(reason: str, detail: str) -> Ack:
             self._reject(s.ident, reason, detail, now)
             return Ack(g.lease_id, g.prompt_index, "rejected", reason)
@@ -206,7 +206,7 @@ class ControllerState:
             raise RuntimeError(f"buffer holds {len(self.buffer)} groups > (eta + 1) * B: admission is broken")
         return Ack(g.lease_id, g.prompt_index, "accepted")
 
-    def _semantic_problem(self, g: RolloutGroup, lease: LeaseRecord) -> str:
+    def _semantic_problem(self, g: RolloutBatch, lease: LeaseRecord) -> str:
         n = self.cfg.sampling.get("n")
         if n is not None and g.group_size != n:
             return "group_size"
@@ -278,7 +278,7 @@ class ControllerState:
 
     # ---- learner calls ----
 
-    def take_batch(self, n_groups: int) -> list[RolloutGroup]:
+    def take_batch(self, n_groups: int) -> list[RolloutBatch]:
         """The oldest ``n_groups`` received groups (buffered -> consumed)."""
         if not 1 <= n_groups <= len(self.buffer):
             raise ValueError(f"take_batch({n_groups}) with {len(self.buffer)} groups buffered")
@@ -287,12 +287,12 @@ class ControllerState:
             self.ledger.consume(g.admission_index)
         return groups
 
-    def mark_trained(self, groups: Sequence[RolloutGroup]) -> None:
+    def mark_trained(self, groups: Sequence[RolloutBatch]) -> None:
         """The learner trained on ``groups``; each exactly once, or ``IllegalTransition``."""
         for g in groups:
             self.ledger.finish(g.admission_index, trained=True)
 
-    def mark_dropped(self, groups: Sequence[RolloutGroup]) -> None:
+    def mark_dropped(self, groups: Sequence[RolloutBatch]) -> None:
         """Consumed without training (dynamic sampling): admission slots are released."""
         for g in groups:
             self.ledger.finish(g.admission_index, trained=False)

@@ -3,5 +3,5 @@
 - ``engine``: the vLLM wrapper (``Engine`` Protocol, ``VLLMEngine``): groups with per-token
   behaviour log-probs and exact per-token policy versions; in-place reloads between steps.
 - ``sync``: the weight subscriber (verify or fetch, then reload; refuses bad files).
-- ``loop``: leases -> requests -> scored ``RolloutGroup`` messages.
+- ``loop``: leases -> requests -> scored groups (one-prompt ``RolloutBatch``) messages.
 """

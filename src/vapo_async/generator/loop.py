@@ -48,9 +48,10 @@ from vapo_async.rewards import Score
 from vapo_async.transport.messages import (
     Ack,
     ErrorReply,
+    GroupInfo,
     Lease,
     LeasePrompt,
-    RolloutGroup,
+    RolloutBatch,
     WeightAnnouncement,
     Welcome,
 )
@@ -66,7 +67,7 @@ class Client(Protocol):
 
     def request(self, credit: int) -> None: ...
     def poll(self, timeout_ms: int) -> list[Lease | WeightAnnouncement | Ack | ErrorReply | Welcome]: ...
-    def send_group(self, group: RolloutGroup) -> bool: ...
+    def send_group(self, group: RolloutBatch) -> bool: ...
     def bye(self, return_leases: list[int]) -> None: ...
     def weights_refused(self, version: int, held: int, reason: str, return_leases: list[int]) -> None: ...
 
@@ -275,7 +276,7 @@ class GeneratorLoop:
         if job is None:
             return  # aborted when a new controller session started
         group = self.make_group(job, c)
-        self.stats.tokens += int(sum(group.lengths))
+        self.stats.tokens += int(group.response_lens.sum())
         if self._send(lambda: self.client.send_group(group), "group"):
             self.stats.groups_sent += 1
         else:
@@ -296,13 +297,15 @@ class GeneratorLoop:
             log.warning("controller unreachable: %s not sent (send timeout)", what)
             return False
 
-    def make_group(self, job: InFlight, c: Completion) -> RolloutGroup:
-        """A ``RolloutGroup`` of ``c`` with every response scored against the lease's answer."""
+    def make_group(self, job: InFlight, c: Completion) -> RolloutBatch:
+        """The group of ``c`` (a batch of one prompt) with every response scored against the
+        lease's answer."""
         scores = [self.reward_fn(r.text, job.prompt.answer, int(r.token_ids.shape[0])) for r in c.responses]
-        return RolloutGroup(
-            lease_id=job.lease_id,
-            prompt_index=job.prompt.index,
-            generator_id=self.client.generator_id,
+        info = GroupInfo(lease_id=job.lease_id, prompt_index=job.prompt.index, generator_id=self.client.generator_id,
+                         gen_time_s=time.monotonic() - job.started,
+                         finish_reasons=tuple(r.finish_reason for r in c.responses))
+        return RolloutBatch.from_group(
+            info,
             prompt_ids=c.prompt_ids,
             response_ids=[r.token_ids for r in c.responses],
             logprobs=[r.logprobs for r in c.responses],
@@ -310,8 +313,6 @@ class GeneratorLoop:
             rewards=np.array([s.reward for s in scores], dtype=np.float32),
             correct=np.array([s.correct for s in scores], dtype=bool),
             truncated=np.array([r.truncated for r in c.responses], dtype=bool),
-            finish_reasons=[r.finish_reason for r in c.responses],
-            gen_time_s=time.monotonic() - job.started,
         )
 
     # ---- reporting ----

@@ -1,19 +1,18 @@
-"""Rollout groups -> flat sequences -> a per-rank plan of length-sorted, padded micro-batches.
+"""A ``RolloutBatch`` -> a per-rank plan of length-sorted, padded micro-batches -> tensors.
 
 Notation (``vapo_async.algo``): S sequences (= responses) in a global batch, G responses per
 group, P_i prompt length and L_i response length of sequence i, T padded (prompt + response)
 length of a micro-batch, Tr padded response length, M mini-batches per global batch.
 
-The pipeline on learner rank 0, once per training step:
+The pipeline on learner rank 0, once per training step (every response i of the batch is one
+sequence ``prompt_ids of its group + response_ids``):
 
-1. ``Sequences.from_groups``: every response of every group becomes one sequence
-   ``prompt_ids + response_ids`` with its behaviour log-probs, token versions and reward.
-2. ``make_plan``: sequences are shuffled (seeded by step) into M global mini-batches, each
+1. ``make_plan``: sequences are shuffled (seeded by step) into M global mini-batches, each
    mini-batch is split across the R data-parallel ranks balanced by token count (longest
    processing time first), and each rank's share is cut into length-sorted micro-batches under a
    padded-token budget. Every rank runs the same number of micro-batches per mini-batch (empty ones
    are padding), because FSDP2 all-gathers in every forward and all ranks must take part.
-3. ``collate``: one micro-batch -> right-padded tensors, plus ``resp_index``/``resp_mask`` that
+2. ``collate``: one micro-batch -> right-padded tensors, plus ``resp_index``/``resp_mask`` that
    gather the response-aligned (b, Tr) view the ``algo`` functions expect from the (b, T) outputs.
 
 The global mini-batches do not depend on the number of ranks, so a step on R ranks computes the same
@@ -32,104 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vapo_async.transport.rollout import RolloutGroup
-
-
-@dataclass
-class Sequences:
-    """A flat batch of S sequences on CPU (all fields index-aligned over S)."""
-
-    tokens: torch.Tensor
-    """(sum_i P_i + L_i,) int64: prompt then response tokens of each sequence, concatenated."""
-    prompt_lens: torch.Tensor
-    """(S,) int64 P_i."""
-    response_lens: torch.Tensor
-    """(S,) int64 L_i."""
-    logp_behav: torch.Tensor
-    """(sum_i L_i,) float32 behaviour-policy log-prob of each response token."""
-    versions: torch.Tensor
-    """(sum_i L_i,) int64 policy version that sampled each response token."""
-    rewards: torch.Tensor
-    """(S,) float32 sequence reward (sits on the last response token)."""
-    correct: torch.Tensor
-    """(S,) bool: the answer was right (positive examples of the NLL loss, VAPO eq. 9)."""
-    truncated: torch.Tensor
-    """(S,) bool: the response hit the max-token limit."""
-    group: torch.Tensor
-    """(S,) int64 index of the sequence's group in the global batch."""
-    seq_adv: torch.Tensor
-    """(S,) float32 sequence-level advantage (GRPO/DAPO group advantage; 0 when unused)."""
-
-    @property
-    def n(self) -> int:
-        """S."""
-        return int(self.prompt_lens.shape[0])
-
-    @property
-    def seq_lens(self) -> torch.Tensor:
-        """(S,) P_i + L_i."""
-        return self.prompt_lens + self.response_lens
-
-    @staticmethod
-    def from_groups(groups: Sequence[RolloutGroup]) -> Sequences:
-        """Flatten groups in order (group k's G responses are sequences k*G .. k*G + G - 1 when
-        every group has G responses)."""
-        toks, plens, rlens, lps, vers, rews, cors, truncs, gids = [], [], [], [], [], [], [], [], []
-        for k, g in enumerate(groups):
-            prompt = np.asarray(g.prompt_ids, dtype=np.int64)
-            for i, resp in enumerate(g.response_ids):
-                toks += [prompt, np.asarray(resp, dtype=np.int64)]
-                plens.append(prompt.shape[0])
-                rlens.append(len(resp))
-                lps.append(np.asarray(g.logprobs[i], dtype=np.float32))
-                vers.append(np.asarray(g.versions[i], dtype=np.int64))
-            rews.append(np.asarray(g.rewards, dtype=np.float32))
-            cors.append(np.asarray(g.correct, dtype=bool))
-            truncs.append(np.asarray(g.truncated, dtype=bool))
-            gids.append(np.full(g.group_size, k, dtype=np.int64))
-
-        def cat(parts: list[np.ndarray], dtype: type) -> torch.Tensor:
-            return torch.from_numpy(np.concatenate(parts).astype(dtype, copy=False)) if parts else \
-                torch.zeros(0, dtype=torch.from_numpy(np.zeros(0, dtype)).dtype)
-
-        rewards = cat(rews, np.float32)
-        return Sequences(
-            tokens=cat(toks, np.int64), prompt_lens=torch.tensor(plens, dtype=torch.int64),
-            response_lens=torch.tensor(rlens, dtype=torch.int64), logp_behav=cat(lps, np.float32),
-            versions=cat(vers, np.int64), rewards=rewards, correct=cat(cors, np.bool_),
-            truncated=cat(truncs, np.bool_), group=cat(gids, np.int64), seq_adv=torch.zeros_like(rewards),
-        )
-
-    def select(self, idx: Sequence[int] | torch.Tensor) -> Sequences:
-        """The sequences ``idx`` (in that order) as a new batch."""
-        idx_t = torch.as_tensor(idx, dtype=torch.int64)
-        tok_off = _offsets(self.seq_lens)
-        resp_off = _offsets(self.response_lens)
-        return Sequences(
-            tokens=_gather_ranges(self.tokens, tok_off, self.seq_lens, idx_t),
-            prompt_lens=self.prompt_lens[idx_t], response_lens=self.response_lens[idx_t],
-            logp_behav=_gather_ranges(self.logp_behav, resp_off, self.response_lens, idx_t),
-            versions=_gather_ranges(self.versions, resp_off, self.response_lens, idx_t),
-            rewards=self.rewards[idx_t], correct=self.correct[idx_t], truncated=self.truncated[idx_t],
-            group=self.group[idx_t], seq_adv=self.seq_adv[idx_t],
-        )
-
-
-def _offsets(lens: torch.Tensor) -> torch.Tensor:
-    """(S + 1,) exclusive prefix sums of ``lens`` (S,)."""
-    return torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
-
-
-def _gather_ranges(flat: torch.Tensor, off: torch.Tensor, lens: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Concatenate the ranges [off[i], off[i] + lens[i]) of ``flat`` for i in ``idx``."""
-    if idx.numel() == 0:
-        return flat[:0].clone()
-    sel_lens = lens[idx]
-    starts = off[:-1][idx]
-    # position of every output element inside its range, vectorised (no Python loop over S)
-    within = torch.arange(int(sel_lens.sum())) - torch.repeat_interleave(_offsets(sel_lens)[:-1], sel_lens)
-    return flat[torch.repeat_interleave(starts, sel_lens) + within]
-
+from vapo_async.transport.batch import RolloutBatch
 
 # ---- planning: mini-batches, rank shares, micro-batches ----
 
@@ -216,18 +118,18 @@ class Plan:
         return range(start, start + self.n_micro[m])
 
 
-def make_plan(seqs: Sequences, world: int, n_minibatches: int, micro_batch_tokens: int,
+def make_plan(batch: RolloutBatch, world: int, n_minibatches: int, micro_batch_tokens: int,
               generator: torch.Generator, overhead_tokens: float = 256) -> Plan:
     """Plan a global batch: M shuffled mini-batches (independent of ``world``), each balanced by
     token count over ``world`` ranks and cut into micro-batches of <= ``micro_batch_tokens``
     padded tokens (``micro_batches`` with ``overhead_tokens``). With fewer sequences than M, M = S."""
-    n = seqs.n
+    n = batch.n_responses
     m_count = max(1, min(n_minibatches, n))
     perm = torch.randperm(n, generator=generator).tolist()
     minibatches = [perm[k::m_count] for k in range(m_count)]
-    lens = seqs.seq_lens.tolist()
-    rlens = seqs.response_lens.tolist()
-    correct = seqs.correct.tolist()
+    lens = batch.seq_lens.tolist()
+    rlens = batch.response_lens.tolist()
+    correct = batch.correct.tolist()
     rank_index: list[list[int]] = [[] for _ in range(world)]
     micro_id: list[list[int]] = [[] for _ in range(world)]
     n_micro, norms = [], []
@@ -297,35 +199,41 @@ class MicroBatch:
         return MicroBatch(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
 
 
-def collate(seqs: Sequences, idx: Sequence[int], pad_id: int) -> MicroBatch:
-    """Right-pad sequences ``idx`` of ``seqs`` into one micro-batch."""
-    part = seqs.select(list(idx))
-    b = part.n
-    lens = part.seq_lens
-    rlens = part.response_lens
+def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+
+
+def collate(batch: RolloutBatch, idx: Sequence[int], pad_id: int) -> MicroBatch:
+    """Right-pad responses ``idx`` of ``batch``, each after its group's prompt, into one micro-batch."""
+    part = batch.select_responses(list(idx))  # every response a group of one: (b,) prompt lengths
+    b = part.n_responses
+    plens = _tensor(part.prompt_lens, torch.int64)
+    rlens = _tensor(part.response_lens, torch.int64)
+    lens = plens + rlens
     t_max = int(lens.max()) if b else 1
     tr_max = max(1, int(rlens.max())) if b else 1
     input_ids = torch.full((b, t_max), pad_id, dtype=torch.int64)
-    attn = torch.zeros((b, t_max), dtype=torch.int64)
-    cols = torch.arange(t_max)
-    valid = cols[None, :] < lens[:, None]  # (b, T)
-    input_ids[valid] = part.tokens
-    attn[valid] = 1
+    cols = torch.arange(t_max)[None, :]
+    in_prompt = cols < plens[:, None]  # (b, T)
+    in_resp = (cols >= plens[:, None]) & (cols < lens[:, None])  # (b, T)
+    input_ids[in_prompt] = _tensor(part.prompt_ids, torch.int64)
+    input_ids[in_resp] = _tensor(part.response_ids, torch.int64)
+    attn = (in_prompt | in_resp).to(torch.int64)
     rcols = torch.arange(tr_max)
     rvalid = rcols[None, :] < rlens[:, None]  # (b, Tr)
     resp_ids = torch.zeros((b, tr_max), dtype=torch.int64)
     logp = torch.zeros((b, tr_max), dtype=torch.float32)
     vers = torch.zeros((b, tr_max), dtype=torch.int64)
     # response token t of row i sits at position P_i + t; it is predicted by position P_i + t - 1
-    resp_pos = part.prompt_lens[:, None] + rcols[None, :]
+    resp_pos = plens[:, None] + rcols[None, :]
     resp_ids[rvalid] = input_ids[rvalid.nonzero(as_tuple=True)[0], resp_pos[rvalid]]
-    logp[rvalid] = part.logp_behav
-    vers[rvalid] = part.versions
+    logp[rvalid] = _tensor(part.logprobs, torch.float32)
+    vers[rvalid] = _tensor(part.versions, torch.int64)
     resp_index = (resp_pos - 1).clamp(min=0, max=max(t_max - 2, 0))
     return MicroBatch(input_ids=input_ids, attention_mask=attn, resp_index=resp_index,
                       resp_mask=rvalid.to(torch.float32), response_ids=resp_ids, logp_behav=logp,
-                      versions=vers, response_lens=rlens, rewards=part.rewards, correct=part.correct,
-                      seq_adv=part.seq_adv)
+                      versions=vers, response_lens=rlens, rewards=_tensor(part.rewards, torch.float32),
+                      correct=_tensor(part.correct, torch.bool), seq_adv=_tensor(part.seq_adv, torch.float32))
 
 
 def padding_micro_batch(pad_id: int) -> MicroBatch:

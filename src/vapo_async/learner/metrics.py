@@ -116,9 +116,10 @@ class TensorBoardMetrics(Callback):
         """Markdown: the first responses of the first groups, with reward and correctness."""
         parts = []
         for g in groups[: self.cfg.text_samples]:
+            first = g.response("response_ids", 0)
             prompt = self.tokenizer.decode(np.asarray(g.prompt_ids).tolist(), skip_special_tokens=True)
-            resp = self.tokenizer.decode(np.asarray(g.response_ids[0]).tolist(), skip_special_tokens=True)
+            resp = self.tokenizer.decode(first.tolist(), skip_special_tokens=True)
             parts.append(f"**prompt** `{prompt[-300:]}`\n\n**response** (reward {float(g.rewards[0]):+.2f}, "
-                         f"correct {bool(g.correct[0])}, {len(g.response_ids[0])} tokens)\n\n    "
+                         f"correct {bool(g.correct[0])}, {len(first)} tokens)\n\n    "
                          + resp.replace("\n", "\n    "))
         return "\n\n---\n\n".join(parts)

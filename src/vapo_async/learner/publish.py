@@ -22,7 +22,13 @@ from torch import nn
 
 from vapo_async.learner.models import export_state_dict
 from vapo_async.transport.messages import WeightAnnouncement
-from vapo_async.transport.weights import WeightPublisher, announcement_for
+from vapo_async.transport.weights import (
+    MANIFEST,
+    WeightPublisher,
+    announcement_for,
+    published_versions,
+    version_dir_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,26 +65,21 @@ class WeightPublishing:
 
     def versions(self) -> list[int]:
         """Rank 0: the complete versions under ``root`` (oldest first)."""
-        if not self.root.is_dir():
-            return []
-        return sorted(int(p.name[1:]) for p in self.root.iterdir()
-                      if p.name.startswith("v") and p.name[1:].isdigit() and (p / "MANIFEST.json").is_file())
+        return list(published_versions(self.root))
 
     def existing(self, version: int) -> WeightAnnouncement | None:
         """Rank 0: the announcement of an already published ``version`` (None if it is gone)."""
-        path = self.root / f"v{version:08d}"
-        return announcement_for(path) if (path / "MANIFEST.json").is_file() else None
+        path = self.root / version_dir_name(version)
+        return announcement_for(path) if (path / MANIFEST).is_file() else None
 
     def remove_newer(self, version: int) -> list[Path]:
         """Rank 0, on resume: delete versions newer than ``version`` (published after the
         checkpoint, by the run that crashed); the resumed run publishes them again."""
-        if self.publisher is None or not self.root.is_dir():
+        if self.publisher is None:
             return []
-        gone = []
-        for p in sorted(self.root.iterdir()):
-            if p.name.startswith("v") and p.name[1:].isdigit() and int(p.name[1:]) > version:
-                shutil.rmtree(p)
-                gone.append(p)
+        gone = [p for v, p in published_versions(self.root, complete=False).items() if v > version]
+        for p in gone:
+            shutil.rmtree(p)
         if gone:
             log.warning("resume at version %d: removed newer weight versions %s", version, [p.name for p in gone])
         return gone

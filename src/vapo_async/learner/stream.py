@@ -7,10 +7,12 @@ Once per training step, on learner rank 0:
    all right or all wrong; dropped groups go back to the controller (``mark_dropped``, which frees
    their admission slots) and more are pulled until the batch is full (at most
    ``max_sampling_rounds`` pulls; then the step trains on what it has);
-2. flatten the groups into sequences, add the group advantage (GRPO/DAPO), and plan mini-batches,
-   rank shares and micro-batches (``batching.make_plan``);
-3. send every rank its share as plain tensors: one ``broadcast`` of a small header and one
-   ``scatter`` per buffer (no pickling: ``broadcast_object_list`` would unpickle on every rank).
+2. concatenate the groups into one ``RolloutBatch``, add the DAPO length shaping and the group
+   advantage (GRPO/DAPO), and plan mini-batches, rank shares and micro-batches
+   (``batching.make_plan``);
+3. send every rank its share (``RolloutBatch.select_responses``) as plain tensors: one ``broadcast``
+   of a small header and one ``scatter`` per array of ``RolloutBatch.flat`` plus the micro-batch
+   slots (no pickling: ``broadcast_object_list`` would unpickle on every rank).
 
 After the optimizer step, ``finish`` tells the source which groups were trained and that the step
 is done (with the new weights' announcement, so new leases require them).
@@ -32,23 +34,26 @@ import torch
 import torch.distributed as dist
 
 from vapo_async.algo.advantages import score_responses
-from vapo_async.learner.batching import MinibatchNorms, Plan, Sequences, make_plan
+from vapo_async.learner.batching import MinibatchNorms, Plan, make_plan
+from vapo_async.transport.batch import RolloutBatch
 from vapo_async.transport.messages import WeightAnnouncement
-from vapo_async.transport.rollout import RolloutGroup
 
 STATUS_OK, STATUS_EMPTY = 0, 1
 HEALTH_POLL_S = 5.0
 """While waiting for rollouts, check generator health this often."""
-_SEQ_INT_COLS = 6  # prompt_len, response_len, correct, truncated, group, micro slot
-_SEQ_FLOAT_COLS = 2  # reward, seq_adv
+
+
+def _flat_dtypes() -> list[str]:
+    """dtype of every scattered array: ``RolloutBatch.flat`` then the micro-batch slot of each response."""
+    return [*RolloutBatch.flat_dtypes(), "<i8"]
 
 
 class GroupSource(Protocol):
     """Where rank 0 gets groups (``vapo_async.controller.Controller`` or ``ListSource``)."""
 
-    def next_batch(self, n_groups: int, timeout_s: float | None = None) -> list[RolloutGroup]: ...
-    def mark_trained(self, groups: Sequence[RolloutGroup]) -> None: ...
-    def mark_dropped(self, groups: Sequence[RolloutGroup]) -> None: ...
+    def next_batch(self, n_groups: int, timeout_s: float | None = None) -> list[RolloutBatch]: ...
+    def mark_trained(self, groups: Sequence[RolloutBatch]) -> None: ...
+    def mark_dropped(self, groups: Sequence[RolloutBatch]) -> None: ...
     def step_done(self, ann: WeightAnnouncement | None = None) -> None: ...
 
 
@@ -57,7 +62,7 @@ class ListSource:
     with ``restamp`` every token is labelled with the current policy version, as if the current
     policy had just sampled it, otherwise the groups keep their versions."""
 
-    def __init__(self, groups: Sequence[RolloutGroup], restamp: bool = True) -> None:
+    def __init__(self, groups: Sequence[RolloutBatch], restamp: bool = True) -> None:
         if not groups:
             raise ValueError("ListSource needs at least one group")
         self.groups = list(groups)
@@ -68,23 +73,18 @@ class ListSource:
         self.dropped = 0
         self.steps = 0
 
-    def next_batch(self, n_groups: int, timeout_s: float | None = None) -> list[RolloutGroup]:
+    def next_batch(self, n_groups: int, timeout_s: float | None = None) -> list[RolloutBatch]:
         out = []
         for _ in range(n_groups):
             g = self.groups[self.cursor % len(self.groups)]
             self.cursor += 1
-            out.append(RolloutGroup(
-                lease_id=g.lease_id, prompt_index=g.prompt_index, generator_id=g.generator_id,
-                prompt_ids=g.prompt_ids, response_ids=g.response_ids, logprobs=g.logprobs,
-                versions=[np.full_like(np.asarray(v), self.version) for v in g.versions] if self.restamp
-                else g.versions,
-                rewards=g.rewards, correct=g.correct, truncated=g.truncated))
+            out.append(g.replace(versions=np.full_like(g.versions, self.version)) if self.restamp else g)
         return out
 
-    def mark_trained(self, groups: Sequence[RolloutGroup]) -> None:
+    def mark_trained(self, groups: Sequence[RolloutBatch]) -> None:
         self.trained += len(groups)
 
-    def mark_dropped(self, groups: Sequence[RolloutGroup]) -> None:
+    def mark_dropped(self, groups: Sequence[RolloutBatch]) -> None:
         self.dropped += len(groups)
 
     def step_done(self, ann: WeightAnnouncement | None = None) -> None:
@@ -114,7 +114,7 @@ class StreamConfig:
     max_sampling_rounds: int = 8
     """Most pulls per step when groups are dropped (then train on a partial batch)."""
     group_advantage: bool = False
-    """Compute the GRPO/DAPO group advantage into ``Sequences.seq_adv``."""
+    """Compute the GRPO/DAPO group advantage into the batch's ``seq_adv``."""
     overlong: tuple[int, int] | None = None
     """DAPO soft overlong punishment (L_max, L_cache) added to the rewards, or None."""
     timeout_s: float | None = 1800.0
@@ -127,16 +127,16 @@ class StreamConfig:
 class LocalBatch:
     """One rank's share of a global batch."""
 
-    seqs: Sequences
-    """This rank's sequences."""
+    seqs: RolloutBatch
+    """This rank's responses (each a group of one with its prompt; ``info`` empty)."""
     micro_slot: torch.Tensor
     """(S_r,) int64 flat micro-batch slot of each sequence."""
     n_micro: list[int]
     """(M,) micro-batches per mini-batch (equal on every rank)."""
     norms: list[MinibatchNorms]
     """(M,) global loss denominators."""
-    groups: list[RolloutGroup] = field(default_factory=list)
-    """Rank 0 only: the groups trained on."""
+    groups: list[RolloutBatch] = field(default_factory=list)
+    """Rank 0 only: the groups trained on (as received, one prompt each)."""
     stats: dict[str, float] = field(default_factory=dict)
     """Rank 0 only: rollout and stream metrics of this batch."""
 
@@ -151,12 +151,12 @@ class LocalBatch:
         return range(start, start + self.n_micro[m])
 
 
-def _staleness(g: RolloutGroup, version: int) -> int:
+def _staleness(g: RolloutBatch, version: int) -> int:
     oldest = g.oldest_version()
     return version - oldest if oldest >= 0 else 0
 
 
-def _all_equal(g: RolloutGroup) -> bool:
+def _all_equal(g: RolloutBatch) -> bool:
     c = np.asarray(g.correct)
     return bool(c.all() or not c.any())
 
@@ -173,17 +173,17 @@ class RolloutStream:
         self.rank = rank
         self.world = world
         self.device = device
-        self._pending: list[RolloutGroup] = []
+        self._pending: list[RolloutBatch] = []
         self.health = health
         """Called while waiting for rollouts; raises when no rollouts can come (dead generators)."""
 
     # ---- rank 0: pulling and filtering ----
 
-    def _pull(self, version: int) -> tuple[list[RolloutGroup], dict[str, float]]:
+    def _pull(self, version: int) -> tuple[list[RolloutBatch], dict[str, float]]:
         assert self.source is not None
         cfg = self.cfg
-        kept: list[RolloutGroup] = []
-        seen: list[RolloutGroup] = []
+        kept: list[RolloutBatch] = []
+        seen: list[RolloutBatch] = []
         n_stale = n_filtered = rounds = 0
         t0 = time.monotonic()
         while len(kept) < cfg.batch_groups and (rounds == 0 or rounds < cfg.max_sampling_rounds):
@@ -201,7 +201,7 @@ class RolloutStream:
         wait = time.monotonic() - t0
         return kept, _rollout_stats(seen, version, wait, n_stale, n_filtered, rounds)
 
-    def _next_groups(self, n: int) -> list[RolloutGroup]:
+    def _next_groups(self, n: int) -> list[RolloutBatch]:
         """``source.next_batch(n)`` in slices of ``HEALTH_POLL_S``, checking ``health`` between them."""
         assert self.source is not None
         timeout = self.cfg.timeout_s
@@ -216,19 +216,19 @@ class RolloutStream:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
 
-    def _sequences(self, groups: list[RolloutGroup]) -> Sequences:
-        seqs = Sequences.from_groups(groups)
+    def _score(self, groups: list[RolloutBatch]) -> RolloutBatch:
+        batch = RolloutBatch.concat(groups)
         group_size = None
-        if self.cfg.group_advantage and seqs.n:
-            sizes = {g.group_size for g in groups}
+        if self.cfg.group_advantage and batch.n_responses:
+            sizes = set(batch.group_sizes.tolist())
             if len(sizes) != 1:
                 raise ValueError(f"group advantages need equal group sizes, got {sorted(sizes)}")
             group_size = sizes.pop()
         # the sequence-level half of algo's advantages_and_returns: DAPO eq. 13 shaping
         # (R = correctness reward + R_len(|y|)) and the group advantage, over whole groups
-        seqs.rewards, seqs.seq_adv = score_responses(seqs.rewards, seqs.response_lens, group_size=group_size,
-                                                     overlong=self.cfg.overlong)
-        return seqs
+        rewards, seq_adv = score_responses(torch.from_numpy(batch.rewards.copy()), torch.from_numpy(batch.response_lens),
+                                           group_size=group_size, overlong=self.cfg.overlong)
+        return batch.replace(rewards=rewards.numpy(), seq_adv=seq_adv.numpy())
 
     # ---- all ranks ----
 
@@ -236,16 +236,16 @@ class RolloutStream:
         """This rank's share of the next global batch (collective: every rank must call it)."""
         if self.rank == 0:
             groups, stats = self._pull(version)
-            seqs = self._sequences(groups)
+            batch = self._score(groups)
             gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
-            plan = make_plan(seqs, self.world, self.cfg.n_minibatches, self.cfg.micro_batch_tokens, gen,
-                             self.cfg.micro_batch_overhead_tokens) if seqs.n else None
+            plan = make_plan(batch, self.world, self.cfg.n_minibatches, self.cfg.micro_batch_tokens, gen,
+                             self.cfg.micro_batch_overhead_tokens) if batch.n_responses else None
             if plan is not None:
                 stats["perf/padding_fraction"] = plan.padding_fraction
-            stats["batch/tokens"] = float(seqs.seq_lens.sum())
-            stats["batch/sequences"] = float(seqs.n)
+            stats["batch/tokens"] = float(batch.seq_lens.sum())
+            stats["batch/sequences"] = float(batch.n_responses)
             self._pending = groups
-            local = self._send(seqs, plan)
+            local = self._send(batch, plan)
             local.groups, local.stats = groups, stats
             return local
         return self._receive()
@@ -263,87 +263,77 @@ class RolloutStream:
 
     # ---- tensor transport ----
 
-    def _send(self, seqs: Sequences, plan: Plan | None) -> LocalBatch:
+    def _send(self, batch: RolloutBatch, plan: Plan | None) -> LocalBatch:
         if plan is None:
             if self.world > 1:
                 self._bcast(torch.tensor([STATUS_EMPTY, 0], dtype=torch.int64))
-            return LocalBatch(Sequences.from_groups([]), torch.zeros(0, dtype=torch.int64), [], [])
-        parts = [_pack(seqs.select(idx), plan.micro_id[r]) for r, idx in enumerate(plan.rank_index)]
+            return _empty()
+        parts = [[*batch.select_responses(idx).flat(), np.asarray(plan.micro_id[r], dtype=np.int64)]
+                 for r, idx in enumerate(plan.rank_index)]
         if self.world > 1:
             m = len(plan.n_micro)
             self._bcast(torch.tensor([STATUS_OK, m], dtype=torch.int64))
-            sizes = torch.tensor([[b.shape[0] for b in p] for p in parts], dtype=torch.int64)  # (R, 5)
-            meta = torch.cat([sizes.view(-1), torch.tensor(plan.n_micro, dtype=torch.int64)])
-            self._bcast(meta)
+            sizes = torch.tensor([[len(a) for a in p] for p in parts], dtype=torch.int64)  # (R, K)
+            self._bcast(torch.cat([sizes.view(-1), torch.tensor(plan.n_micro, dtype=torch.int64)]))
             self._bcast(_norms_tensor(plan.norms))
-            mine = [self._scatter([p[k] for p in parts], sizes[:, k]) for k in range(len(parts[0]))]
+            mine = [self._scatter([_to_torch(p[k]) for p in parts], sizes[:, k], dt)
+                    for k, dt in enumerate(_flat_dtypes())]
         else:
             mine = parts[0]
-        s, slot = _unpack(mine)
-        return LocalBatch(s, slot, list(plan.n_micro), list(plan.norms))
+        return _local(mine, list(plan.n_micro), list(plan.norms))
 
     def _receive(self) -> LocalBatch:
         head = self._bcast(torch.zeros(2, dtype=torch.int64))
         if int(head[0]) == STATUS_EMPTY:
-            return LocalBatch(Sequences.from_groups([]), torch.zeros(0, dtype=torch.int64), [], [])
-        m = int(head[1])
-        meta = self._bcast(torch.zeros(self.world * 5 + m, dtype=torch.int64))
-        sizes = meta[: self.world * 5].view(self.world, 5)
-        n_micro = meta[self.world * 5:].tolist()
+            return _empty()
+        m, k = int(head[1]), len(_flat_dtypes())
+        meta = self._bcast(torch.zeros(self.world * k + m, dtype=torch.int64))
+        sizes = meta[: self.world * k].view(self.world, k)
         norms = _norms_list(self._bcast(torch.zeros(m * 4, dtype=torch.float64)))
-        mine = [self._scatter(None, sizes[:, k], _BUF_SPECS[k]) for k in range(5)]
-        s, slot = _unpack(mine)
-        return LocalBatch(s, slot, n_micro, norms)
+        mine = [self._scatter(None, sizes[:, j], dt) for j, dt in enumerate(_flat_dtypes())]
+        return _local(mine, meta[self.world * k:].tolist(), norms)
 
     def _bcast(self, t: torch.Tensor) -> torch.Tensor:
         dev = t.to(self.device)
         dist.broadcast(dev, src=0)
         return dev.cpu()
 
-    def _scatter(self, bufs: list[torch.Tensor] | None, sizes: torch.Tensor,
-                 spec: tuple[torch.dtype, int] | None = None) -> torch.Tensor:
-        """Scatter rank r's ``bufs[r]`` (first dim ``sizes[r]``), padded to the largest."""
+    def _scatter(self, bufs: list[torch.Tensor] | None, sizes: torch.Tensor, dtype: str) -> np.ndarray:
+        """Scatter rank r's 1-D ``bufs[r]`` (length ``sizes[r]``), padded to the longest; this
+        rank's part as a numpy array of ``dtype``."""
         n_max = max(1, int(sizes.max()))  # gloo/nccl dislike empty buffers
-        if bufs is not None:
-            dtype, cols = bufs[0].dtype, (bufs[0].shape[1] if bufs[0].dim() == 2 else 0)
-        else:
-            assert spec is not None
-            dtype, cols = spec
-        shape = (n_max, cols) if cols else (n_max,)
-        out = torch.zeros(shape, dtype=dtype, device=self.device)
+        t_dtype = _to_torch(np.zeros(0, dtype)).dtype
+        out = torch.zeros(n_max, dtype=t_dtype, device=self.device)
         scatter_list = None
         if bufs is not None:
             scatter_list = []
             for b in bufs:
-                padded = torch.zeros(shape, dtype=dtype)
+                padded = torch.zeros(n_max, dtype=t_dtype)
                 padded[: b.shape[0]] = b
                 scatter_list.append(padded.to(self.device))
         dist.scatter(out, scatter_list, src=0)
-        return out[: int(sizes[self.rank])].cpu()
+        return _to_numpy(out[: int(sizes[self.rank])].cpu(), dtype)
 
 
-_BUF_SPECS: list[tuple[torch.dtype, int]] = [
-    (torch.int64, _SEQ_INT_COLS), (torch.float32, _SEQ_FLOAT_COLS), (torch.int64, 0),
-    (torch.float32, 0), (torch.int64, 0)]
-"""(dtype, columns) of the five scattered buffers: per-sequence ints and floats, tokens,
-behaviour log-probs, token versions."""
+def _to_torch(a: np.ndarray) -> torch.Tensor:
+    """Bools travel as uint8 (not every backend reduces or scatters torch.bool)."""
+    a = np.ascontiguousarray(a)
+    return torch.from_numpy(a.view(np.uint8) if a.dtype == np.bool_ else a)
 
 
-def _pack(s: Sequences, micro: list[int]) -> list[torch.Tensor]:
-    ints = torch.stack([s.prompt_lens, s.response_lens, s.correct.long(), s.truncated.long(), s.group,
-                        torch.tensor(micro, dtype=torch.int64)], dim=1) if s.n else \
-        torch.zeros((0, _SEQ_INT_COLS), dtype=torch.int64)
-    floats = torch.stack([s.rewards, s.seq_adv], dim=1) if s.n else torch.zeros((0, _SEQ_FLOAT_COLS))
-    return [ints, floats, s.tokens, s.logp_behav, s.versions]
+def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
+    a = t.numpy()
+    return a.view(np.bool_) if np.dtype(dtype) == np.bool_ else a.astype(dtype, copy=False)
 
 
-def _unpack(bufs: list[torch.Tensor]) -> tuple[Sequences, torch.Tensor]:
-    ints, floats, tokens, logp, versions = bufs
-    s = Sequences(tokens=tokens, prompt_lens=ints[:, 0].clone(), response_lens=ints[:, 1].clone(),
-                  logp_behav=logp, versions=versions, rewards=floats[:, 0].clone(),
-                  correct=ints[:, 2].bool(), truncated=ints[:, 3].bool(), group=ints[:, 4].clone(),
-                  seq_adv=floats[:, 1].clone())
-    return s, ints[:, 5].clone()
+def _local(arrays: list[np.ndarray], n_micro: list[int], norms: list[MinibatchNorms]) -> LocalBatch:
+    """This rank's ``LocalBatch`` from its scattered arrays (``RolloutBatch.flat`` + micro slots)."""
+    return LocalBatch(RolloutBatch.from_flat(arrays[:-1]), torch.from_numpy(np.asarray(arrays[-1], dtype=np.int64)),
+                      n_micro, norms)
+
+
+def _empty() -> LocalBatch:
+    return LocalBatch(RolloutBatch.empty(), torch.zeros(0, dtype=torch.int64), [], [])
 
 
 def _norms_tensor(norms: list[MinibatchNorms]) -> torch.Tensor:
@@ -354,18 +344,17 @@ def _norms_list(t: torch.Tensor) -> list[MinibatchNorms]:
     return [MinibatchNorms(*row.tolist()) for row in t.view(-1, 4)]
 
 
-def _rollout_stats(groups: list[RolloutGroup], version: int, wait_s: float, n_stale: int,
+def _rollout_stats(groups: list[RolloutBatch], version: int, wait_s: float, n_stale: int,
                    n_filtered: int, rounds: int) -> dict[str, float]:
     """Rollout metrics over the fresh groups of a step (before dynamic-sampling filtering)."""
     out = {"async/dropped_stale": float(n_stale), "rollout/dropped_filtered": float(n_filtered),
            "rollout/sampling_rounds": float(rounds), "perf/wait_s": wait_s}
     if not groups:
         return out
-    rewards = np.concatenate([np.asarray(g.rewards, dtype=np.float64) for g in groups])
-    correct = np.concatenate([np.asarray(g.correct, dtype=np.float64) for g in groups])
-    trunc = np.concatenate([np.asarray(g.truncated, dtype=np.float64) for g in groups])
-    lens = np.array([n for g in groups for n in g.lengths], dtype=np.float64)
-    vers = np.concatenate([np.asarray(v, dtype=np.int64) for g in groups for v in g.versions] or [np.zeros(0, np.int64)])
+    b = RolloutBatch.concat(groups)
+    rewards, correct = b.rewards.astype(np.float64), b.correct.astype(np.float64)
+    trunc, lens = b.truncated.astype(np.float64), b.response_lens.astype(np.float64)
+    vers = b.versions.astype(np.int64)
     stale = (version - vers).astype(np.float64)
     out.update({
         "rollout/reward_mean": float(rewards.mean()),
@@ -379,12 +368,11 @@ def _rollout_stats(groups: list[RolloutGroup], version: int, wait_s: float, n_st
         "async/staleness_max": float(stale.max()) if stale.size else 0.0,
         "rollout/token_version_min": float(vers.min()) if vers.size else -1.0,
         "rollout/token_version_max": float(vers.max()) if vers.size else -1.0,
-        "rollout/gen_time_s_mean": float(np.mean([g.gen_time_s for g in groups])),
+        "rollout/gen_time_s_mean": float(np.mean([i.gen_time_s for i in b.info])) if b.info else 0.0,
     })
     return out
 
 
-def token_staleness(groups: list[RolloutGroup], version: int) -> np.ndarray:
+def token_staleness(groups: list[RolloutBatch], version: int) -> np.ndarray:
     """(sum L_i,) current version minus each response token's version (for the histogram)."""
-    parts = [version - np.asarray(v, dtype=np.int64) for g in groups for v in g.versions]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return version - RolloutBatch.concat(groups).versions.astype(np.int64)

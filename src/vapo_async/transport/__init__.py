@@ -1,8 +1,9 @@
 """vapo_async.transport: the ZeroMQ wire between the controller and the generators, and weights.
 
-- ``wire``: msgpack header frame, ``MessageLimits``, strict field readers, ``MessageError``.
-- ``rollout``: ``RolloutGroup`` and its zero-copy ``encode_group`` / ``decode_group``.
-- ``messages``: control messages (hello, request, lease, ack, ...), decoding with validation.
+- ``wire``: the msgspec header base, constrained field types, ``MessageLimits``, ``MessageError``.
+- ``batch``: ``RolloutBatch``, ragged rollouts of N prompts whose fields are declared once in ``FIELDS``.
+- ``rollout``: the ``group`` message (a one-prompt batch) and its zero-copy ``encode_group`` / ``decode_group``.
+- ``messages``: one Struct per control message (hello, request, lease, ack, ...), decoding with validation.
 - ``config``: ``TransportConfig`` / ``CurveConfig``; ``sockets``: socket set-up, CURVE, back-pressure;
   ``keys``: CURVE key files (``python -m vapo_async.transport.keys``).
 - ``client``: ``ControllerClient``, the generator's end of the link.

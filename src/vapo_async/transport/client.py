@@ -59,7 +59,7 @@ from vapo_async.transport.messages import (
     Lease,
     MessageError,
     Request,
-    RolloutGroup,
+    RolloutBatch,
     WeightAnnouncement,
     WeightsRefused,
     Welcome,
@@ -152,8 +152,8 @@ class ControllerClient:
         except zmq.Again:  # queue full while the controller is away: the next one will do
             log.debug("heartbeat dropped: send queue full")
 
-    def send_group(self, group: RolloutGroup) -> bool:
-        """Send one finished group. Returns False (and sends nothing) when its lease came from a
+    def send_group(self, group: RolloutBatch) -> bool:
+        """Send one finished group (a batch of one prompt). Returns False (and sends nothing) when its lease came from a
         previous controller incarnation (that controller re-issued the prompt already). Raises
         ``TimeoutError`` when the controller accepted nothing for ``send_timeout_ms`` (the lease
         deadline then re-issues the prompt; the generator may retry or drop the group)."""

@@ -51,7 +51,7 @@ def _families(limits: MessageLimits, vocab: int, version: int) -> dict[str, Call
         "oversized_frame": lambda r, f: [*f[:2], b"\x00" * (limits.max_frame_bytes + 4), *f[3:]],
         "schema": lambda r, f: _set_header(f, schema=SCHEMA + int(r.integers(1, 100))),
         "unknown_kind": lambda r, f: _set_header(f, kind=r.bytes(6).hex()),
-        "field_type": lambda r, f: _set_header(f, lease_id=str(r.integers(0, 9)), group_size=-1),
+        "field_type": lambda r, f: _set_header(f, prompt_len=str(r.integers(0, 9)), lengths=-1),
         "unknown_lease": lambda r, f: f,  # structurally valid, but no such lease was granted
     }
 

@@ -1,403 +1,283 @@
-"""Typed control messages of the controller <-> generator protocol, their codecs and dispatch.
+"""The controller <-> generator protocol: one msgspec Struct per message kind, and its decoders.
 
 Kinds (see docs/CONTRACTS.md):
-- generator -> controller: ``hello``, ``request``, ``group`` (``RolloutGroup``), ``heartbeat``,
-  ``bye``, ``fetch``, ``weights_refused``.
+- generator -> controller: ``hello``, ``request``, ``group`` (a one-group ``RolloutBatch``, codec
+  in ``rollout.py``), ``heartbeat``, ``bye``, ``fetch``, ``weights_refused``.
 - controller -> generator: ``welcome``, ``lease``, ``ack``, ``chunk``, ``error``.
 - PUB: ``weights`` (``WeightAnnouncement``).
 
-Every class has ``to_frames()`` and is decoded by ``decode_from_generator`` /
-``decode_from_controller`` / ``decode_announcement``, which validate everything and raise
-``MessageError`` with a reason token. ``RolloutGroup``, ``encode_group`` and ``decode_group`` live in
-``rollout.py`` and are re-exported here.
+Each Struct is the one declaration of its kind: field types (``wire.Version``, ``wire.Index``, ...)
+carry the ranges, ``__post_init__`` the few rules a type cannot state, and ``to_frames()`` encodes
+it. ``decode_from_generator`` / ``decode_from_controller`` / ``decode_announcement`` decode a tagged
+union of the kinds of one direction; everything is validated and a failure raises ``MessageError``
+with a reason token. The deployment-sized limits of ``MessageLimits`` (weight and chunk sizes) are
+checked after decoding by ``_check_limits``.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from vapo_async.transport.rollout import RolloutGroup, decode_group, encode_group
+import msgspec
+
+from vapo_async.transport.batch import GroupInfo, RolloutBatch
+from vapo_async.transport.rollout import (
+    GroupMessage,
+    decode_group,
+    decode_group_frames,
+    encode_group,
+)
 from vapo_async.transport.wire import (
+    MAX_LEASE_PROMPTS,
+    MAX_VERSION,
     SCHEMA,
+    DirPath,
     Frame,
+    Hex64,
+    Id,
+    Index,
+    LeaseIds,
     MessageError,
     MessageLimits,
+    PathStr,
+    Seconds,
+    ShortStr,
+    Text,
+    Token,
+    Version,
+    WireMessage,
     check_file_name,
     check_frame_sizes,
     decode_header,
-    encode_header,
-    get_float,
-    get_int,
-    get_int_list,
-    get_list,
-    get_map,
-    get_str,
+    encode,
+    settings_value,
 )
 
 __all__ = [
-    "SCHEMA", "MessageError", "MessageLimits", "RolloutGroup", "encode_group", "decode_group",
+    "SCHEMA", "MessageError", "MessageLimits", "RolloutBatch", "GroupInfo", "encode_group", "decode_group",
     "WeightAnnouncement", "Hello", "Request", "Heartbeat", "Bye", "Fetch", "WeightsRefused", "Welcome", "Lease",
     "LeasePrompt", "Ack", "Chunk", "ErrorReply", "decode_from_generator", "decode_from_controller",
     "decode_announcement",
 ]
 
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_REASON = re.compile(r"[a-z0-9_]{1,64}")
-_SCALAR = (bool, int, float, str)
+Scalar = bool | int | float | str
 
 
-@dataclass(frozen=True)
-class WeightAnnouncement:
+class WeightAnnouncement(WireMessage, tag="weights"):
     """A published weight version: directory ``path``, sha256 ``checksum`` of its MANIFEST.json,
-    total ``bytes`` and the manifest's file names (``files``, MANIFEST.json itself excluded)."""
+    total ``bytes`` and the manifest's plain file names (``files``, MANIFEST.json itself excluded)."""
 
-    version: int
-    path: str
-    checksum: str
-    bytes: int
+    version: Version
+    path: DirPath
+    checksum: Hex64
+    bytes: Index
     files: tuple[str, ...]
 
+    def __post_init__(self) -> None:
+        for name in self.files:
+            check_file_name(name)
+
     def to_header(self) -> dict[str, Any]:
-        return {"version": self.version, "path": self.path, "checksum": self.checksum,
-                "bytes": self.bytes, "files": list(self.files)}
-
-    def to_frames(self) -> list[bytes]:
-        return [encode_header({"kind": "weights", **self.to_header()})]
-
-    @staticmethod
-    def from_header(h: dict[str, Any], limits: MessageLimits) -> WeightAnnouncement:
-        checksum = get_str(h, "checksum", 64)
-        if not _HEX64.fullmatch(checksum):
-            raise MessageError("field_range", "checksum must be 64 lowercase hex digits")
-        files = get_list(h, "files", limits.max_weight_files)
-        names = tuple(check_file_name(get_str({"f": f}, "f", 255)) for f in files)
-        return WeightAnnouncement(
-            version=get_int(h, "version", 0, 2**31 - 1),
-            path=get_str(h, "path", limits.max_path_chars),
-            checksum=checksum,
-            bytes=get_int(h, "bytes", 0, limits.max_weight_bytes),
-            files=names,
-        )
-
-
-def _ann_or_none(h: dict[str, Any], key: str, limits: MessageLimits) -> WeightAnnouncement | None:
-    if h.get(key) is None:
-        return None
-    return WeightAnnouncement.from_header(get_map(h, key), limits)
+        """The fields as a plain JSON/msgpack-safe map (checkpoints; no kind or schema)."""
+        plain = msgspec.json.decode(msgspec.json.encode(self))
+        return {k: v for k, v in plain.items() if k not in ("kind", "schema")}
 
 
 # ---- generator -> controller ----
 
 
-@dataclass(frozen=True)
-class Hello:
+class Hello(WireMessage, tag="hello"):
     """First message of a generator session; ``session`` is unique per client instance."""
 
-    generator_id: str
-    session: str
-    max_prompts: int
-    version: int = 0
-
-    def to_frames(self) -> list[bytes]:
-        return [encode_header({"kind": "hello", "generator_id": self.generator_id, "session": self.session,
-                               "max_prompts": self.max_prompts, "version": self.version})]
+    generator_id: Id
+    session: Id
+    max_prompts: Annotated[int, msgspec.Meta(ge=1, le=MAX_LEASE_PROMPTS)]
+    version: Version = 0
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(WireMessage, tag="request"):
     """The generator can take ``credit`` more prompts now (replaces any earlier request)."""
 
-    credit: int
-
-    def to_frames(self) -> list[bytes]:
-        return [encode_header({"kind": "request", "credit": self.credit})]
+    credit: Annotated[int, msgspec.Meta(ge=0, le=MAX_LEASE_PROMPTS)]
 
 
-@dataclass(frozen=True)
-class Heartbeat:
+class Heartbeat(WireMessage, tag="heartbeat"):
     """Liveness; extends the deadlines of the sender's leases."""
 
-    def to_frames(self) -> list[bytes]:
-        return [encode_header({"kind": "heartbeat"})]
 
-
-@dataclass(frozen=True)
-class Bye:
+class Bye(WireMessage, tag="bye"):
     """Clean leave; ``return_leases`` are handed back for immediate re-issue (all are, anyway)."""
 
-    return_leases: tuple[int, ...] = ()
-
-    def to_frames(self) -> list[bytes]:
-        return [encode_header({"kind": "bye", "return_leases": list(self.return_leases)})]
+    return_leases: LeaseIds = ()
 
 
-@dataclass(frozen=True)
-class Fetch:
-    """Ask for ``length`` bytes of ``file`` of weight ``version`` starting at ``offset``."""
+class Fetch(WireMessage, tag="fetch"):
+    """Ask for ``length`` bytes (<= ``limits.max_chunk_bytes``) of ``file`` of weight ``version``
+    starting at ``offset``."""
 
-    version: int
+    version: Version
     file: str
-    offset: int
-    length: int
+    offset: Index
+    length: Annotated[int, msgspec.Meta(ge=1)]
 
-    def to_frames(self) -> list[bytes]:
-        return [encode_header({"kind": "fetch", "version": self.version, "file": self.file,
-                               "offset": self.offset, "length": self.length})]
+    def __post_init__(self) -> None:
+        check_file_name(self.file)
 
 
-@dataclass(frozen=True)
-class WeightsRefused:
+class WeightsRefused(WireMessage, tag="weights_refused"):
     """The generator refused weight ``version`` (``reason``: checksum, size, outside_root,
     fetch_timeout, load, ...) and keeps version ``held``. ``return_leases`` are its leases that
     need a version it cannot load, handed back for immediate re-issue. Until it loads a newer
     version (it then sends ``request`` again) it asks for no credit."""
 
-    version: int
-    held: int
-    reason: str
-    return_leases: tuple[int, ...] = ()
-
-    def to_frames(self) -> list[bytes]:
-        return [encode_header({"kind": "weights_refused", "version": self.version, "held": self.held,
-                               "reason": self.reason, "return_leases": list(self.return_leases)})]
+    version: Version
+    held: Version
+    reason: Token
+    return_leases: LeaseIds = ()
 
 
 # ---- controller -> generator ----
 
 
-@dataclass(frozen=True)
-class Welcome:
+class Welcome(WireMessage, tag="welcome"):
     """Answer to ``hello``: who the controller is and what a generator needs to start."""
 
-    controller_id: str
-    session: str
-    version: int
+    controller_id: Id
+    session: Id
+    version: Version
     weights: WeightAnnouncement | None
-    weights_root: str
-    pub_endpoint: str
-    vocab_size: int
-    lease_timeout_s: float
-    heartbeat_s: float
-    sampling: dict[str, Any] = field(default_factory=dict)
+    weights_root: PathStr
+    pub_endpoint: DirPath
+    vocab_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_VERSION)]
+    lease_timeout_s: Seconds
+    heartbeat_s: Seconds
+    sampling: dict[str, Scalar] = msgspec.field(default_factory=dict)
     """How to sample (``n``, ``temperature``, ``top_p``, ``max_tokens``): overrides the generator's."""
-    max_model_len: int = 0
+    max_model_len: Annotated[int, msgspec.Meta(ge=0, le=MAX_VERSION)] = 0
     """Context every generator engine must offer: longest prompt + ``max_tokens`` (0 = no demand).
     A generator whose configured ``engine.max_model_len`` is shorter refuses at start."""
-    reward: dict[str, Any] = field(default_factory=dict)
+    reward: dict[str, Any] = msgspec.field(default_factory=dict)
     """The learner's reward settings (``RewardConfig`` fields: values, answer formats, custom
     target); they replace the generator's own, so every generator scores alike."""
 
-    def to_frames(self) -> list[bytes]:
-        return [encode_header({
-            "kind": "welcome", "controller_id": self.controller_id, "session": self.session,
-            "version": self.version, "weights": self.weights.to_header() if self.weights else None,
-            "weights_root": self.weights_root, "pub_endpoint": self.pub_endpoint,
-            "vocab_size": self.vocab_size, "lease_timeout_s": self.lease_timeout_s,
-            "heartbeat_s": self.heartbeat_s, "sampling": self.sampling,
-            "max_model_len": self.max_model_len, "reward": self.reward,
-        })]
+    def __post_init__(self) -> None:
+        if not settings_value(self.reward):
+            raise MessageError("field", "reward must map strings to scalars, lists or maps of scalars")
 
 
-@dataclass(frozen=True)
-class LeasePrompt:
+class LeasePrompt(msgspec.Struct, frozen=True):
     """One leased prompt: dataset ``index``, templated ``prompt`` text, ground-truth ``answer``."""
 
-    index: int
-    prompt: str
-    answer: str
+    index: Index
+    prompt: Text
+    answer: Text
 
 
-@dataclass(frozen=True)
-class Lease:
+class Lease(WireMessage, tag="lease"):
     """Prompts granted to one generator. Sample them only with weights of version >= ``min_version``
     (``weights`` names the current version); return each as a ``group`` before ``deadline_s``
     seconds pass without a heartbeat, or they are re-issued."""
 
-    lease_id: int
-    min_version: int
-    deadline_s: float
-    prompts: tuple[LeasePrompt, ...]
+    lease_id: Index
+    min_version: Version
+    deadline_s: Seconds
+    prompts: Annotated[tuple[LeasePrompt, ...], msgspec.Meta(max_length=MAX_LEASE_PROMPTS)]
     weights: WeightAnnouncement | None = None
 
-    def to_frames(self) -> list[bytes]:
-        return [encode_header({
-            "kind": "lease", "lease_id": self.lease_id, "min_version": self.min_version,
-            "deadline_s": self.deadline_s, "weights": self.weights.to_header() if self.weights else None,
-            "prompts": [{"index": p.index, "prompt": p.prompt, "answer": p.answer} for p in self.prompts],
-        })]
 
-
-@dataclass(frozen=True)
-class Ack:
+class Ack(WireMessage, tag="ack"):
     """Receipt of a group: ``status`` is accepted, duplicate or rejected (with ``reason``)."""
 
-    lease_id: int
-    prompt_index: int
-    status: str
-    reason: str = ""
-
-    def to_frames(self) -> list[bytes]:
-        return [encode_header({"kind": "ack", "lease_id": self.lease_id, "prompt_index": self.prompt_index,
-                               "status": self.status, "reason": self.reason})]
+    lease_id: Index
+    prompt_index: Index
+    status: Literal["accepted", "duplicate", "rejected"]
+    reason: ShortStr = ""
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """``data`` = bytes [offset, offset + len(data)) of ``file`` (total ``size``) of ``version``."""
+class Chunk(WireMessage, tag="chunk"):
+    """``data`` = bytes [offset, offset + len(data)) of ``file`` (total ``size``) of ``version``.
+    ``data`` travels as frame 1, never in the header; decoded, it is a view onto that frame."""
 
-    version: int
+    version: Version
     file: str
-    offset: int
-    size: int
-    data: bytes | memoryview
+    offset: Index
+    size: Index
+    data: Annotated[bytes, msgspec.Meta(max_length=0)] = b""
+
+    def __post_init__(self) -> None:
+        check_file_name(self.file)
 
     def to_frames(self) -> list[bytes | memoryview]:
-        return [encode_header({"kind": "chunk", "version": self.version, "file": self.file,
-                               "offset": self.offset, "size": self.size}), self.data]
+        return [encode(msgspec.structs.replace(self, data=b"")), self.data]
 
 
-@dataclass(frozen=True)
-class ErrorReply:
-    """The controller refused something; ``reason`` is a token (e.g. unknown_session)."""
+class ErrorReply(WireMessage, tag="error"):
+    """The controller refused something; ``reason`` is a token (e.g. unknown_session); ``detail``
+    is cut to 500 characters."""
 
-    reason: str
-    detail: str = ""
+    reason: Id
+    detail: Annotated[str, msgspec.Meta(max_length=500)] = ""
 
-    def to_frames(self) -> list[bytes]:
-        return [encode_header({"kind": "error", "reason": self.reason, "detail": self.detail[:500]})]
+    def __post_init__(self) -> None:
+        msgspec.structs.force_setattr(self, "detail", self.detail[:500])
 
 
-_GENERATOR_KINDS = frozenset({"hello", "request", "heartbeat", "bye", "fetch", "group", "weights_refused"})
-_CONTROLLER_KINDS = frozenset({"welcome", "lease", "ack", "chunk", "error"})
-FromGenerator = Hello | Request | Heartbeat | Bye | Fetch | WeightsRefused | RolloutGroup
+FromGenerator = Hello | Request | Heartbeat | Bye | Fetch | WeightsRefused | RolloutBatch
 FromController = Welcome | Lease | Ack | Chunk | ErrorReply
+_FROM_GENERATOR = msgspec.msgpack.Decoder(Hello | Request | Heartbeat | Bye | Fetch | WeightsRefused | GroupMessage)
+_FROM_CONTROLLER = msgspec.msgpack.Decoder(FromController)
+_ANNOUNCEMENT = msgspec.msgpack.Decoder(WeightAnnouncement)
 
 
-def _single(frames: Sequence[Frame], limits: MessageLimits, n: int = 1) -> dict[str, Any]:
-    if len(frames) != n:
-        raise MessageError("frame_count", f"{len(frames)} frames, expected {n}")
-    return decode_header(check_frame_sizes(frames[:1], limits)[0], limits)
+def _check_limits(msg: msgspec.Struct, limits: MessageLimits) -> None:
+    """The ``MessageLimits`` bounds (deployment-sized, so not in the types)."""
+    anns = [msg] if isinstance(msg, WeightAnnouncement) else [getattr(msg, "weights", None)]
+    for a in anns:
+        if isinstance(a, WeightAnnouncement) and (a.bytes > limits.max_weight_bytes
+                                                  or len(a.files) > limits.max_weight_files):
+            raise MessageError("field_range", f"weights of {a.bytes} bytes in {len(a.files)} files exceed the limits")
+    offsets = [msg.offset] + ([msg.size] if isinstance(msg, Chunk) else []) if isinstance(msg, Fetch | Chunk) else []
+    if any(o > limits.max_weight_bytes for o in offsets):
+        raise MessageError("field_range", f"offset/size {offsets} > max_weight_bytes={limits.max_weight_bytes}")
+    if isinstance(msg, Fetch) and msg.length > limits.max_chunk_bytes:
+        raise MessageError("field_range", f"length={msg.length} > max_chunk_bytes={limits.max_chunk_bytes}")
+
+
+def _decode(frames: Sequence[Frame], decoder: msgspec.msgpack.Decoder[Any], limits: MessageLimits,
+            n_frames: int = 1) -> tuple[Any, list[memoryview]]:
+    if not frames:
+        raise MessageError("frame_count", "empty message")
+    views = check_frame_sizes(frames, limits)
+    msg = decode_header(views[0], decoder, limits)
+    if not isinstance(msg, GroupMessage | Chunk) and len(views) != n_frames:
+        raise MessageError("frame_count", f"{len(views)} frames, expected {n_frames}")
+    _check_limits(msg, limits)
+    return msg, views
 
 
 def decode_from_generator(frames: Sequence[Frame], limits: MessageLimits, *, vocab_size: int | None,
                           max_version: int | None) -> FromGenerator:
     """Validate and decode any generator -> controller message. Raises ``MessageError``."""
-    if not frames:
-        raise MessageError("frame_count", "empty message")
-    head = decode_header(check_frame_sizes(frames[:1], limits)[0], limits)
-    kind = head["kind"]
-    if kind not in _GENERATOR_KINDS:
-        raise MessageError("kind", f"unknown kind {kind[:40]!r}")
-    if kind == "group":
-        return decode_group(frames, limits, vocab_size=vocab_size, max_version=max_version)
-    h = _single(frames, limits)
-    if kind == "hello":
-        return Hello(get_str(h, "generator_id", limits.max_id_chars), get_str(h, "session", limits.max_id_chars),
-                     get_int(h, "max_prompts", 1, limits.max_lease_prompts), get_int(h, "version", 0, 2**31 - 1))
-    if kind == "request":
-        return Request(get_int(h, "credit", 0, limits.max_lease_prompts))
-    if kind == "heartbeat":
-        return Heartbeat()
-    if kind == "bye":
-        return Bye(tuple(get_int_list(h, "return_leases", limits.max_lease_prompts)))
-    if kind == "fetch":
-        return Fetch(get_int(h, "version", 0, 2**31 - 1), check_file_name(get_str(h, "file", 255)),
-                     get_int(h, "offset", 0, limits.max_weight_bytes), get_int(h, "length", 1, limits.max_chunk_bytes))
-    if kind == "weights_refused":
-        reason = get_str(h, "reason", limits.max_id_chars)
-        if not _REASON.fullmatch(reason):
-            raise MessageError("field_range", "weights_refused reason must be a [a-z0-9_] token")
-        return WeightsRefused(get_int(h, "version", 0, 2**31 - 1), get_int(h, "held", 0, 2**31 - 1), reason,
-                              tuple(get_int_list(h, "return_leases", limits.max_lease_prompts)))
-    raise MessageError("kind", f"unknown kind {kind[:40]!r}")
-
-
-def _lease(h: dict[str, Any], limits: MessageLimits) -> Lease:
-    prompts = []
-    for p in get_list(h, "prompts", limits.max_lease_prompts):
-        if not isinstance(p, dict):
-            raise MessageError("field", "lease prompt must be a map")
-        prompts.append(LeasePrompt(get_int(p, "index"), get_str(p, "prompt", limits.max_text_chars, True),
-                                   get_str(p, "answer", limits.max_text_chars, True)))
-    return Lease(get_int(h, "lease_id"), get_int(h, "min_version", 0, 2**31 - 1),
-                 get_float(h, "deadline_s", 0.0, 1e7), tuple(prompts), _ann_or_none(h, "weights", limits))
-
-
-def _settings(value: Any, depth: int = 0) -> bool:
-    """A settings value: a scalar, None, or a short list / string-keyed map of them, nested at
-    most three deep (the reward map -> ``custom`` -> a list argument of the custom target)."""
-    if value is None or isinstance(value, _SCALAR):
-        return True
-    if depth >= 3:
-        return False
-    if isinstance(value, list):
-        return len(value) <= 64 and all(_settings(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return len(value) <= 64 and all(isinstance(k, str) and _settings(v, depth + 1) for k, v in value.items())
-    return False
-
-
-def _welcome(h: dict[str, Any], limits: MessageLimits) -> Welcome:
-    sampling = get_map(h, "sampling")
-    if not all(isinstance(k, str) and isinstance(v, _SCALAR) for k, v in sampling.items()):
-        raise MessageError("field", "sampling must map strings to scalars")
-    reward = get_map(h, "reward")
-    if not _settings(reward):
-        raise MessageError("field", "reward must map strings to scalars, lists or maps of scalars")
-    return Welcome(
-        controller_id=get_str(h, "controller_id", limits.max_id_chars),
-        session=get_str(h, "session", limits.max_id_chars),
-        version=get_int(h, "version", 0, 2**31 - 1),
-        weights=_ann_or_none(h, "weights", limits),
-        weights_root=get_str(h, "weights_root", limits.max_path_chars, True),
-        pub_endpoint=get_str(h, "pub_endpoint", limits.max_path_chars),
-        vocab_size=get_int(h, "vocab_size", 1, 2**31 - 1),
-        lease_timeout_s=get_float(h, "lease_timeout_s", 0.0, 1e7),
-        heartbeat_s=get_float(h, "heartbeat_s", 0.0, 1e7),
-        sampling=sampling,
-        max_model_len=get_int(h, "max_model_len", 0, 2**31 - 1),
-        reward=reward,
-    )
+    msg, views = _decode(frames, _FROM_GENERATOR, limits)
+    if isinstance(msg, GroupMessage):
+        return decode_group_frames(msg, views, limits, vocab_size=vocab_size, max_version=max_version)
+    return msg  # type: ignore[no-any-return]
 
 
 def decode_from_controller(frames: Sequence[Frame], limits: MessageLimits) -> FromController:
     """Validate and decode any controller -> generator message. Raises ``MessageError``."""
-    if not frames:
-        raise MessageError("frame_count", "empty message")
-    head = decode_header(check_frame_sizes(frames[:1], limits)[0], limits)
-    kind = head["kind"]
-    if kind not in _CONTROLLER_KINDS:
-        raise MessageError("kind", f"unknown kind {kind[:40]!r}")
-    if kind == "chunk":
-        h = _single(frames, limits, 2)
-        data = check_frame_sizes(frames, limits)[1]
-        if data.nbytes > limits.max_chunk_bytes:
-            raise MessageError("frame_too_large", f"chunk of {data.nbytes} bytes")
-        return Chunk(get_int(h, "version", 0, 2**31 - 1), check_file_name(get_str(h, "file", 255)),
-                     get_int(h, "offset", 0, limits.max_weight_bytes), get_int(h, "size", 0, limits.max_weight_bytes),
-                     data)
-    h = _single(frames, limits)
-    if kind == "welcome":
-        return _welcome(h, limits)
-    if kind == "lease":
-        return _lease(h, limits)
-    if kind == "ack":
-        status = get_str(h, "status", limits.max_id_chars)
-        if status not in ("accepted", "duplicate", "rejected"):
-            raise MessageError("field_range", f"ack status {status[:40]!r}")
-        return Ack(get_int(h, "lease_id"), get_int(h, "prompt_index"), status,
-                   get_str(h, "reason", limits.max_id_chars, True))
-    if kind == "error":
-        return ErrorReply(get_str(h, "reason", limits.max_id_chars), get_str(h, "detail", 500, True))
-    raise MessageError("kind", f"unknown kind {kind[:40]!r}")
+    msg, views = _decode(frames, _FROM_CONTROLLER, limits)
+    if isinstance(msg, Chunk):
+        if len(views) != 2:
+            raise MessageError("frame_count", f"chunk has {len(views)} frames, expected 2")
+        if views[1].nbytes > limits.max_chunk_bytes:
+            raise MessageError("frame_too_large", f"chunk of {views[1].nbytes} bytes")
+        return msgspec.structs.replace(msg, data=views[1])
+    return msg  # type: ignore[no-any-return]
 
 
 def decode_announcement(frames: Sequence[Frame], limits: MessageLimits) -> WeightAnnouncement:
     """Validate and decode a PUB ``weights`` message. Raises ``MessageError``."""
-    h = _single(frames, limits)
-    if h["kind"] != "weights":
-        raise MessageError("kind", f"expected weights, got {h['kind'][:40]!r}")
-    return WeightAnnouncement.from_header(h, limits)
+    msg, _ = _decode(frames, _ANNOUNCEMENT, limits)
+    return msg  # type: ignore[no-any-return]

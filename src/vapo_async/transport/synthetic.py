@@ -22,9 +22,10 @@ import numpy as np
 from vapo_async.transport.client import ControllerClient
 from vapo_async.transport.config import TransportConfig
 from vapo_async.transport.messages import (
+    GroupInfo,
     Lease,
     LeasePrompt,
-    RolloutGroup,
+    RolloutBatch,
     WeightAnnouncement,
     Welcome,
 )
@@ -34,14 +35,14 @@ log = logging.getLogger(__name__)
 
 def random_group(rng: np.random.Generator, *, lease_id: int, prompt_index: int, generator_id: str,
                  group_size: int, lengths: tuple[int, int], vocab_size: int, version: int,
-                 prompt_len: int = 32) -> RolloutGroup:
+                 prompt_len: int = 32) -> RolloutBatch:
     """A valid group with G responses of random lengths in [lengths[0], lengths[1]]."""
     ls = rng.integers(lengths[0], lengths[1] + 1, size=group_size)
     correct = rng.random(group_size) < 0.5
-    return RolloutGroup(
-        lease_id=lease_id,
-        prompt_index=prompt_index,
-        generator_id=generator_id,
+    info = GroupInfo(lease_id=lease_id, prompt_index=prompt_index, generator_id=generator_id, gen_time_s=0.0,
+                     finish_reasons=tuple("length" if n >= lengths[1] else "stop" for n in ls))
+    return RolloutBatch.from_group(
+        info,
         prompt_ids=rng.integers(0, vocab_size, prompt_len).astype(np.int32),
         response_ids=[rng.integers(0, vocab_size, n).astype(np.int32) for n in ls],
         logprobs=[np.log(rng.uniform(1e-6, 1.0, n)).astype(np.float32) for n in ls],
@@ -49,8 +50,6 @@ def random_group(rng: np.random.Generator, *, lease_id: int, prompt_index: int, 
         rewards=np.where(correct, 1.0, -1.0).astype(np.float32),
         correct=correct,
         truncated=ls >= lengths[1],
-        finish_reasons=["length" if n >= lengths[1] else "stop" for n in ls],
-        gen_time_s=0.0,
     )
 
 

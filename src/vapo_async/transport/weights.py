@@ -57,8 +57,24 @@ class WeightPublishError(RuntimeError):
 
 
 def version_dir_name(version: int) -> str:
-    """``v{version:08d}``."""
+    """``v{version:08d}``: the directory of weight ``version`` under a weights root."""
     return f"v{version:08d}"
+
+
+def version_of_dir(name: str) -> int | None:
+    """The version a directory name ``v{version:08d}`` stands for, or None for any other name."""
+    return int(name[1:]) if _VERSION_DIR.fullmatch(name) else None
+
+
+def published_versions(root: str | Path, complete: bool = True) -> dict[int, Path]:
+    """Version -> directory of every version directory under ``root`` (oldest first); with
+    ``complete`` only those holding a MANIFEST.json (a finished publish)."""
+    r = Path(root)
+    if not r.is_dir():
+        return {}
+    found = {v: p for p in r.iterdir() if (v := version_of_dir(p.name)) is not None and p.is_dir()
+             and (not complete or (p / MANIFEST).is_file())}
+    return dict(sorted(found.items()))
 
 
 def sha256_file(path: Path, block: int = 8 << 20) -> str:
@@ -169,7 +185,7 @@ class WeightPublisher:
         return files
 
     def _prune(self, keep_also: Path) -> None:
-        versions = sorted(p for p in self.root.iterdir() if _VERSION_DIR.fullmatch(p.name) and p.is_dir())
+        versions = list(published_versions(self.root, complete=False).values())
         for old in versions[: max(0, len(versions) - self.keep)]:
             if old != keep_also:
                 shutil.rmtree(old)
@@ -297,8 +313,5 @@ def announcement_for(path: str | Path) -> WeightAnnouncement:
 
 def latest_published(root: str | Path) -> WeightAnnouncement | None:
     """The announcement of the newest complete version under ``root`` (None if there is none)."""
-    r = Path(root)
-    if not r.is_dir():
-        return None
-    versions = sorted(p for p in r.iterdir() if _VERSION_DIR.fullmatch(p.name) and (p / MANIFEST).is_file())
+    versions = list(published_versions(root).values())
     return announcement_for(versions[-1]) if versions else None
