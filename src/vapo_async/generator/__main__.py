@@ -27,11 +27,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import hydra
+import msgspec
 from omegaconf import DictConfig, OmegaConf
 
 from vapo_async.common.orphans import arm, die_with_parent_forks
@@ -128,7 +128,7 @@ def run(cfg: GeneratorConfig) -> int:
             if first is None:
                 client.bye([])
                 return 0
-            welcome = replace(welcome, version=first.version, weights=first)  # it was published since
+            welcome = msgspec.structs.replace(welcome, version=first.version, weights=first)  # it was published since
             path = client.resolve_weights(first, cache)
             engine = VLLMEngine(path, engine_cfg, first.version)
         client.version = engine.version

@@ -99,7 +99,11 @@ def run(cfg: LearnerConfig, run_dir: Path) -> Any:
         runtime.shutdown()
         if module.publishing is not None:
             module.publishing.close()
-    if rank0:
+    if rank0 and module.state.stop_signal is not None:
+        log.warning("stopped by signal %d at step %d (policy version %d), last.ckpt saved; continue with the same "
+                    "command and hydra.run.dir=%s resume=true", module.state.stop_signal, module.state.step,
+                    module.state.version, run_dir)
+    elif rank0:
         log.info("finished at step %d (policy version %d); logs in %s", module.state.step, module.state.version,
                  run_dir / "logs")
     return module
@@ -259,12 +263,16 @@ def _hydra_main(dcfg: DictConfig) -> None:
         cfg = _typed(dcfg)
         if hydra_cfg.mode == RunMode.MULTIRUN:
             check_sweep_job(cfg)
-        run(cfg, run_dir)
+        module = run(cfg, run_dir)
     except ConfigError as e:  # Hydra would print a traceback and exit 1
         print(f"vapo_async.learner: error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:
         logs.close()
+    if module.state.stop_signal is not None:  # stopped by SIGTERM (learner/stopping.py): not finished
+        from vapo_async.learner.stopping import STOP_EXIT_CODE
+
+        sys.exit(STOP_EXIT_CODE)
 
 
 def main() -> None:

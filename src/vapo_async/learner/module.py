@@ -191,7 +191,11 @@ class LearnerModule(L.LightningModule):
         state = self.state
         t0 = time.monotonic()
         warmup = self.in_value_warmup
-        local, _, _ = next(dataloader_iter)  # pulled now, for this step and version (rollouts.py)
+        try:
+            local, _, _ = next(dataloader_iter)  # pulled now, for this step and version (rollouts.py)
+        except StopIteration:  # a stop was requested (rollouts.py): Lightning's loop ends, callbacks run
+            self.trainer.should_stop = True
+            raise
         t1 = time.monotonic()
         rec = StepRecord(state.step, state.version, warmup, batch=local)
         metrics = rec.metrics

@@ -130,12 +130,13 @@ def build_trainer(cfg: LearnerConfig, run_dir: Path) -> tuple[L.Trainer, StepPro
 def build_callbacks(cfg: LearnerConfig, run_dir: Path, module: LearnerModule, model_path: str, tokenizer: Any,
                     vocab_size: int, train: list[Any], held_out: list[Any]) -> tuple[Runtime, list[Callback]]:
     """(the runtime, every callback in hook order): the runtime first (it starts the controller
-    the others report on), then metrics, checkpoints and the held-out evaluation. Each gets what
+    the others report on), then metrics, checkpoints, the held-out evaluation and the SIGTERM stop. Each gets what
     it reads explicitly: the module's ``state`` and, for the runtime, its ``rollouts``."""
     from vapo_async.learner.checkpoint import Checkpointing
     from vapo_async.learner.evaluation import HeldOutEval
     from vapo_async.learner.metrics import TensorBoardMetrics
     from vapo_async.learner.runtime import Runtime, engine_context
+    from vapo_async.learner.stopping import GracefulStop
 
     state = module.state
     runtime = Runtime(cfg, model_path, run_dir, vocab_size, tokenizer, train, module.rollouts)
@@ -146,4 +147,5 @@ def build_callbacks(cfg: LearnerConfig, run_dir: Path, module: LearnerModule, mo
         Checkpointing(run_dir / "checkpoints", cfg.checkpoint.every_n_steps, cfg.checkpoint.fingerprint, state),
         HeldOutEval(cfg.eval, held_out, cfg.reward, cfg.sampling.max_tokens, model_path, tokenizer, cfg.seed,
                     state, max_model_len=eval_context),
+        GracefulStop(state, cfg.trainer.stop_grace_s, on_deadline=runtime.shutdown),
     ]

@@ -20,7 +20,13 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from vapo_async.learner.state import RunState
-from vapo_async.learner.stream import GroupSource, LocalBatch, RolloutStream, StreamConfig
+from vapo_async.learner.stream import (
+    GroupSource,
+    LocalBatch,
+    RolloutStream,
+    StopRequested,
+    StreamConfig,
+)
 from vapo_async.transport.messages import WeightAnnouncement
 
 
@@ -36,14 +42,24 @@ class RolloutBatches(IterableDataset[LocalBatch]):
         """Rank 0: raises while waiting for rollouts when none can come (the ``Runtime``'s check
         that local generators are alive)."""
         self.stream: RolloutStream | None = None
+        self.stopped = False
+        """The stream raised ``StopRequested``: the iteration ended (a stop, not an error)."""
 
     def open(self, cfg: StreamConfig, rank: int, world: int, device: torch.device) -> None:
         """Build the stream (the module's ``setup``, once the rank and the world are known)."""
-        self.stream = RolloutStream(cfg, self.source if rank == 0 else None, rank, world, device, self.health)
+        self.stream = RolloutStream(cfg, self.source if rank == 0 else None, rank, world, device, self.health,
+                                    stop=lambda: self.state.stop_signal is not None)
 
     def __iter__(self) -> Iterator[LocalBatch]:
+        """Batches until a stop is requested (``RunState.stop_signal``); then the iteration ends
+        on every rank at the same batch, which ends Lightning's fit loop (``LearnerModule.training_step``)."""
         while True:
-            yield self._stream().next(self.state.step, self.state.version)
+            try:
+                batch = self._stream().next(self.state.step, self.state.version)
+            except StopRequested:
+                self.stopped = True
+                return
+            yield batch
 
     def finish(self, ann: WeightAnnouncement | None) -> None:
         """After the step: report the trained groups and the step (with its new weights) to the source."""

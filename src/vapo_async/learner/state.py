@@ -66,6 +66,8 @@ class RunState:
     """Fingerprint of the optimiser states at the last save (see checkpoint.py)."""
     restored_optimizer_sha256: str | None = None
     """The fingerprint the checkpoint this run resumed from recorded (None on a fresh run)."""
+    stop_signal: int | None = None
+    """The signal that asked this run to stop (SIGTERM; ``learner/stopping.py``), None while it runs."""
 
     def to_checkpoint(self) -> dict[str, Any]:
         """The checkpoint's ``vapo`` section (without the RNG state, which the module adds)."""

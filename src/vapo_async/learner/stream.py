@@ -38,8 +38,15 @@ from vapo_async.learner.batching import MinibatchNorms, Plan, make_plan
 from vapo_async.transport.batch import RolloutBatch
 from vapo_async.transport.messages import WeightAnnouncement
 
-STATUS_OK, STATUS_EMPTY = 0, 1
-HEALTH_POLL_S = 5.0
+STATUS_OK, STATUS_EMPTY, STATUS_STOP = 0, 1, 2
+HEALTH_POLL_S = 1.0
+"""Longest wait for rollouts between two checks of ``health`` and ``stop``."""
+
+
+class StopRequested(Exception):
+    """The run was asked to stop (SIGTERM): raised by ``RolloutStream.next`` on every rank at the
+    same batch, before any of it is trained. Groups rank 0 had already taken from the controller
+    are untrained; a resume re-issues them (``ControllerState.load_state_dict``)."""
 """While waiting for rollouts, check generator health this often."""
 
 
@@ -165,7 +172,8 @@ class RolloutStream:
     """Global batch assembly on rank 0 and tensor distribution to all ranks."""
 
     def __init__(self, cfg: StreamConfig, source: GroupSource | None, rank: int, world: int,
-                 device: torch.device, health: Callable[[], None] | None = None) -> None:
+                 device: torch.device, health: Callable[[], None] | None = None,
+                 stop: Callable[[], bool] | None = None) -> None:
         if rank == 0 and source is None:
             raise ValueError("rank 0 needs a group source")
         self.cfg = cfg
@@ -176,6 +184,8 @@ class RolloutStream:
         self._pending: list[RolloutBatch] = []
         self.health = health
         """Called while waiting for rollouts; raises when no rollouts can come (dead generators)."""
+        self.stop = stop
+        """Rank 0: True once the run should stop (checked before and while waiting for rollouts)."""
 
     # ---- rank 0: pulling and filtering ----
 
@@ -202,11 +212,13 @@ class RolloutStream:
         return kept, _rollout_stats(seen, version, wait, n_stale, n_filtered, rounds)
 
     def _next_groups(self, n: int) -> list[RolloutBatch]:
-        """``source.next_batch(n)`` in slices of ``HEALTH_POLL_S``, checking ``health`` between them."""
+        """``source.next_batch(n)`` in slices of ``HEALTH_POLL_S``, checking ``stop`` and ``health``
+        between them."""
         assert self.source is not None
         timeout = self.cfg.timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            self._check_stop()
             if self.health is not None:
                 self.health()
             left = None if deadline is None else deadline - time.monotonic()
@@ -235,7 +247,13 @@ class RolloutStream:
     def next(self, step: int, version: int) -> LocalBatch:
         """This rank's share of the next global batch (collective: every rank must call it)."""
         if self.rank == 0:
-            groups, stats = self._pull(version)
+            try:
+                self._check_stop()
+                groups, stats = self._pull(version)
+            except StopRequested:
+                if self.world > 1:  # the other ranks wait in _receive: they raise it too
+                    self._bcast(torch.tensor([STATUS_STOP, 0], dtype=torch.int64))
+                raise
             batch = self._score(groups)
             gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
             plan = make_plan(batch, self.world, self.cfg.n_minibatches, self.cfg.micro_batch_tokens, gen,
@@ -249,6 +267,10 @@ class RolloutStream:
             local.groups, local.stats = groups, stats
             return local
         return self._receive()
+
+    def _check_stop(self) -> None:
+        if self.stop is not None and self.stop():
+            raise StopRequested("stop requested")
 
     def finish(self, ann: WeightAnnouncement | None) -> None:
         """Rank 0, after the step: the batch's groups were trained; admission may advance (and,
@@ -284,6 +306,8 @@ class RolloutStream:
 
     def _receive(self) -> LocalBatch:
         head = self._bcast(torch.zeros(2, dtype=torch.int64))
+        if int(head[0]) == STATUS_STOP:
+            raise StopRequested("rank 0 stops the run")
         if int(head[0]) == STATUS_EMPTY:
             return _empty()
         m, k = int(head[1]), len(_flat_dtypes())

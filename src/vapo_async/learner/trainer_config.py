@@ -43,6 +43,11 @@ class _TrainerCore:
     """Print Lightning's model summary."""
     num_sanity_val_steps: int = 0
     """No validation loop is used."""
+    stop_grace_s: float = 30.0
+    """After SIGTERM, the learner stops at the next step boundary (or at once while it waits for
+    rollouts), saves ``last.ckpt`` and exits 143; if that takes longer than this, it stops the
+    local generators and exits 143 at once, keeping the last complete checkpoint (learner/stopping.py).
+    Not a Lightning argument."""
 
 
 OWNED_TRAINER_ARGS = ("logger", "callbacks", "plugins", "default_root_dir", "max_epochs",
@@ -85,7 +90,7 @@ def trainer_kwargs(trainer: Any) -> dict[str, Any]:
             if values[key] != default:
                 raise ConfigError(f"trainer.{key}: set by the learner itself, cannot be overridden")
         values.pop(key, None)
-    for key in ("strategy", "precision", "max_steps"):
+    for key in ("strategy", "precision", "max_steps", "stop_grace_s"):
         values.pop(key)
     return values
 
