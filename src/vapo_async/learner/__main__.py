@@ -8,7 +8,7 @@ Setup -> run -> cleanup:
    ``model.path`` is null), the LightningModule, the TensorBoard logger under ``RUN_DIR/tb`` and
    the Trainer, and the callbacks (runtime, metrics, checkpoints, held-out eval), each handed the
    module's ``RunState``. Print the TensorBoard command.
-2. Run: ``trainer.fit`` (from ``RUN_DIR/checkpoints/last.ckpt`` with ``resume=true``).
+2. Run: ``trainer.fit`` (from ``RUN_DIR/checkpoints/last.ckpt`` when it exists: learner/resume.py).
 3. Cleanup: local generators and the controller stop (also on errors: the runtime callback's
    ``on_exception``/``teardown``); the weight writer thread is joined.
 
@@ -68,12 +68,12 @@ def run(cfg: LearnerConfig, run_dir: Path) -> Any:
     from vapo_async.learner.checkpoint import LAST
     from vapo_async.learner.config import validate
     from vapo_async.learner.module import LearnerModule
+    from vapo_async.learner.resume import should_resume
 
     # setup
     validate(cfg)
     ckpt = run_dir / "checkpoints" / LAST
-    if cfg.resume and not ckpt.exists():
-        raise ConfigError(f"resume=true: no checkpoint at {ckpt} (hydra.run.dir must be the earlier run's)")
+    resume = should_resume(cfg, run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     threads = cpu_threads(cfg)
     if threads is not None:
@@ -94,14 +94,14 @@ def run(cfg: LearnerConfig, run_dir: Path) -> Any:
         print(f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}", flush=True)
     # run, then cleanup (also on errors)
     try:
-        trainer.fit(module, ckpt_path=str(ckpt) if cfg.resume else None, weights_only=True)
+        trainer.fit(module, ckpt_path=str(ckpt) if resume else None, weights_only=True)
     finally:
         runtime.shutdown()
         if module.publishing is not None:
             module.publishing.close()
     if rank0 and module.state.stop_signal is not None:
         log.warning("stopped by signal %d at step %d (policy version %d), last.ckpt saved; continue with the same "
-                    "command and hydra.run.dir=%s resume=true", module.state.stop_signal, module.state.step,
+                    "command (hydra.run.dir=%s)", module.state.stop_signal, module.state.step,
                     module.state.version, run_dir)
     elif rank0:
         log.info("finished at step %d (policy version %d); logs in %s", module.state.step, module.state.version,

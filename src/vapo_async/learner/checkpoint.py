@@ -28,11 +28,13 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from vapo_async.learner.config import LearnerConfig
+from vapo_async.learner.resume import LAST as LAST  # re-export: callers import it here
+from vapo_async.learner.resume import write_resume_keys
 from vapo_async.learner.state import RunState
 
 log = logging.getLogger("vapo_async.learner")
 
-LAST = "last.ckpt"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -72,8 +74,11 @@ def raw_optimizers(module: L.LightningModule) -> list[torch.optim.Optimizer]:
 class Checkpointing(Callback):
     """Save ``last.ckpt`` every ``every_n_steps`` training steps and when training ends."""
 
-    def __init__(self, dirpath: Path, every_n_steps: int, fingerprint: bool, state: RunState) -> None:
+    def __init__(self, dirpath: Path, every_n_steps: int, fingerprint: bool, state: RunState,
+                 cfg: LearnerConfig | None = None) -> None:
         self.dirpath = Path(dirpath)
+        self.cfg = cfg
+        """Written beside each checkpoint as ``run.json`` (``resume.RESUME_KEYS``); None writes none."""
         self.every = every_n_steps
         self.fingerprint = fingerprint
         self.state = state
@@ -124,6 +129,8 @@ class Checkpointing(Callback):
         trainer.save_checkpoint(tmp, weights_only=False)
         trainer.strategy.barrier("vapo-ckpt-written")
         if trainer.global_rank == 0:
+            if self.cfg is not None:
+                write_resume_keys(self.dirpath, self.cfg)
             if self.last.is_dir():
                 old = self.dirpath / (LAST + ".old")
                 _remove(old)

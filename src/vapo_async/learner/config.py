@@ -220,14 +220,26 @@ class LearnerConfig:
     """torch CPU threads of each learner process; None = on CPU, the cores left after one per local
     generator, shared by the learner processes of this node (at least 1); on GPU torch's default.
     (Oversubscribed OpenMP threads wait on each other: fewer threads are faster than too many.)"""
-    resume: bool = False
-    """Continue from ``RUN_DIR/checkpoints/last.ckpt`` (step, version, controller, optimisers, RNG)."""
+    name: str | None = None
+    """Run name: the run directory is ``runs/NAME`` (``hydra.run.dir`` still wins), so re-running
+    the same command continues the run (``resume``); None = a timestamped directory."""
+    resume: bool | None = None
+    """Continue from ``RUN_DIR/checkpoints/last.ckpt`` (step, version, controller, optimisers, RNG):
+    None = when it exists (fresh otherwise); true = it must exist; false = start fresh (refused where
+    a checkpoint would be overwritten). Model, algorithm, group size and dataset must match the
+    checkpoint's (learner/resume.py)."""
 
 
 def validate(cfg: LearnerConfig) -> None:
     """Cross-field checks (each error names its key)."""
     trainer_kwargs(cfg.trainer)
     check_controller_endpoints(cfg)
+    from vapo_async.learner.resume import run_dir_for
+
+    try:
+        run_dir_for(cfg.name, "stamp")
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if cfg.trainer.strategy not in STRATEGIES:
         raise ConfigError(f"trainer.strategy={cfg.trainer.strategy!r}: choose one of {', '.join(STRATEGIES)}")
     if cfg.trainer.max_steps < 1:
@@ -314,14 +326,17 @@ def check_controller_endpoints(cfg: LearnerConfig) -> None:
 
 def register_configs() -> None:
     """Register ``LearnerConfig`` as ``learner_schema`` and every ``algo.presets.PRESETS`` entry as
-    ``algo/NAME_preset`` in Hydra's ConfigStore, and the ``vapo.batch_groups`` resolver that
-    conf/algo/NAME.yaml uses to turn the model preset's scale into its shape."""
+    ``algo/NAME_preset`` in Hydra's ConfigStore, the ``vapo.batch_groups`` resolver that
+    conf/algo/NAME.yaml uses to turn the model preset's scale into its shape, and ``vapo.run_dir``
+    (conf/learner.yaml: ``runs/NAME`` or a timestamp)."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
     from vapo_async.algo.presets import PRESETS, batch_groups_for
+    from vapo_async.learner.resume import run_dir_for
 
     OmegaConf.register_new_resolver("vapo.batch_groups", batch_groups_for, replace=True)
+    OmegaConf.register_new_resolver("vapo.run_dir", run_dir_for, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="learner_schema", node=LearnerConfig)
     for name, preset in PRESETS.items():  # conf/algo/NAME.yaml builds on these

@@ -144,7 +144,7 @@ def build_callbacks(cfg: LearnerConfig, run_dir: Path, module: LearnerModule, mo
     return runtime, [
         runtime,
         TensorBoardMetrics(cfg.logging, tokenizer, state, source_metrics=runtime.controller_metrics),
-        Checkpointing(run_dir / "checkpoints", cfg.checkpoint.every_n_steps, cfg.checkpoint.fingerprint, state),
+        Checkpointing(run_dir / "checkpoints", cfg.checkpoint.every_n_steps, cfg.checkpoint.fingerprint, state, cfg),
         HeldOutEval(cfg.eval, held_out, cfg.reward, cfg.sampling.max_tokens, model_path, tokenizer, cfg.seed,
                     state, max_model_len=eval_context),
         GracefulStop(state, cfg.trainer.stop_grace_s, on_deadline=runtime.shutdown),
