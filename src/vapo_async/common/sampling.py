@@ -8,11 +8,12 @@ fields plus ``group_size``, overridden by the welcome (``with_welcome``).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, fields
 from typing import Any
 
 WELCOME_SAMPLING_KEYS = {"n": "group_size", "temperature": "temperature", "top_p": "top_p",
-                         "max_tokens": "max_tokens"}
+                         "max_tokens": "max_tokens", "seed": "seed"}
 """Keys of the controller's ``welcome.sampling`` map -> ``GroupSamplingConfig`` field names."""
 
 
@@ -26,8 +27,16 @@ class SamplingConfig:
     """Nucleus mass; keep 1.0 for training (top_p < 1 truncates the behaviour distribution)."""
     max_tokens: int = 256
     """Most tokens per response (responses hitting it are marked truncated)."""
+    seed: int | None = None
+    """None: the engine's own random stream (fastest). An int: each group is sampled with its own
+    seed, ``request_seed(seed, prompt index, policy version)``, so what a prompt draws does not
+    depend on what else the engine batches or on timing (reproducible runs: with ``algo.eta=0``,
+    one generator and ``generators.max_prompts=1``; vLLM's per-request generators cost some
+    sampler speed)."""
 
     def __post_init__(self) -> None:
+        if self.seed is not None and not 0 <= self.seed < 2**31:
+            raise ValueError(f"sampling.seed={self.seed}: must be in [0, 2**31)")
         if self.max_tokens < 1:
             raise ValueError(f"sampling.max_tokens={self.max_tokens}: must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -56,3 +65,11 @@ class GroupSamplingConfig(SamplingConfig):
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update({WELCOME_SAMPLING_KEYS[k]: v for k, v in sampling.items()})
         return GroupSamplingConfig(**values)
+
+
+def request_seed(seed: int, prompt_index: int, version: int) -> int:
+    """The vLLM request seed of one group: a hash of the run's ``sampling.seed``, the prompt's index
+    and the policy version that samples it, in [0, 2**31) (the G samples of the group get
+    seed + 0..G-1 from vLLM)."""
+    digest = hashlib.blake2b(f"{seed}:{prompt_index}:{version}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 2**16)

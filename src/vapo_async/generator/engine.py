@@ -121,8 +121,9 @@ class Engine(Protocol):
         """V."""
         ...
 
-    def submit(self, request_id: str, prompt: str, sampling: GroupSamplingConfig) -> None:
-        """Start sampling ``sampling.group_size`` responses to ``prompt``."""
+    def submit(self, request_id: str, prompt: str, sampling: GroupSamplingConfig, seed: int | None = None) -> None:
+        """Start sampling ``sampling.group_size`` responses to ``prompt`` (with its own random
+        stream when ``seed`` is given)."""
         ...
 
     def has_work(self) -> bool:
@@ -194,7 +195,7 @@ class VLLMEngine:
         """Prompt token ids exactly as vLLM would encode the text."""
         return list(self.tokenizer.encode(prompt))
 
-    def sampling_params(self, sampling: GroupSamplingConfig, prompt_len: int) -> Any:
+    def sampling_params(self, sampling: GroupSamplingConfig, prompt_len: int, seed: int | None = None) -> Any:
         """vLLM ``SamplingParams`` for one group (max_tokens capped to fit ``max_model_len``)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -212,14 +213,15 @@ class VLLMEngine:
             flat_logprobs=True,
             detokenize=False,  # decoded once per finished response instead of every step
             output_kind=RequestOutputKind.FINAL_ONLY,
+            seed=seed,
         )
 
-    def submit(self, request_id: str, prompt: str, sampling: GroupSamplingConfig) -> None:
+    def submit(self, request_id: str, prompt: str, sampling: GroupSamplingConfig, seed: int | None = None) -> None:
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError(f"request {request_id}: the prompt encodes to zero tokens")
         prompt_input = {"prompt_token_ids": ids, "cache_salt": f"w{self._version}"}
-        self._engine.add_request(request_id, prompt_input, self.sampling_params(sampling, len(ids)))
+        self._engine.add_request(request_id, prompt_input, self.sampling_params(sampling, len(ids), seed))
 
     def has_work(self) -> bool:
         return self._engine.has_unfinished_requests()

@@ -41,7 +41,7 @@ from typing import Protocol
 import numpy as np
 import zmq
 
-from vapo_async.common.sampling import GroupSamplingConfig
+from vapo_async.common.sampling import GroupSamplingConfig, request_seed
 from vapo_async.generator.engine import Completion, Engine
 from vapo_async.generator.sync import WeightSync
 from vapo_async.rewards import Score
@@ -267,7 +267,9 @@ class GeneratorLoop:
         while self.waiting and self.waiting[0][0].min_version <= self.engine.version:
             lease, prompt = self.waiting.popleft()
             request_id = f"{lease.lease_id}:{prompt.index}"
-            self.engine.submit(request_id, prompt.prompt, self.sampling)
+            seed = None if self.sampling.seed is None else request_seed(self.sampling.seed, prompt.index,
+                                                                        self.engine.version)
+            self.engine.submit(request_id, prompt.prompt, self.sampling, seed)
             self.in_flight[request_id] = InFlight(lease.lease_id, prompt, time.monotonic())
 
     def finish(self, c: Completion) -> None:

@@ -88,6 +88,8 @@ class Runtime(Callback):
             raise ValueError(f"data: the train split of {cfg.data.name!r} has no prompts")
         sampling = {"n": cfg.algo.group_size, "temperature": cfg.sampling.temperature,
                     "top_p": cfg.sampling.top_p, "max_tokens": cfg.sampling.max_tokens}
+        if cfg.sampling.seed is not None:  # older generators refuse unknown keys: sent only when set
+            sampling["seed"] = cfg.sampling.seed
         # the generator contract (welcome): sampling, context and reward settings, one source for all
         ccfg = dataclasses.replace(cfg.controller, sampling=sampling, max_model_len=self.context(),
                                    reward=dataclasses.asdict(cfg.reward),
