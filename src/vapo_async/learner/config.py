@@ -84,6 +84,11 @@ class GeneratorsConfig:
     """Extra environment of local generators, ``KEY=VALUE`` (e.g. VLLM_CPU_OMP_THREADS_BIND=1)."""
     stop_timeout_s: float = 30.0
     """How long local generators get to leave on SIGTERM before SIGKILL."""
+    restart_backoff_s: float = 5.0
+    """A local generator that dies is restarted after this long, doubled for each death that
+    follows a short life (learner/supervise.py)."""
+    max_restarts: int = 10
+    """Restarts of local generators allowed per hour before the run stops; 0 = never restart."""
     tensor_parallel_size: int = 1
     """Tensor parallelism of each local generator's engine (its number of GPUs)."""
     devices: list[int] | None = None

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,8 @@ class GeneratorHandle:
     process: subprocess.Popen[bytes]
     log_path: Path
     _log_file: TextIO
+    started_at: float = 0.0
+    """``time.monotonic()`` at start."""
 
     @property
     def pid(self) -> int:
@@ -73,24 +76,39 @@ def start_local_generators(n: int, controller_endpoint: str,
         raise ValueError(f"number of generators must be >= 0, got {n}")
     if placements is not None and len(placements) != n:
         raise ValueError(f"{len(placements)} placements for {n} generators")
+    return [launch_generator(i, controller_endpoint, overrides, log_dir, id_prefix,
+                             placements[i] if placements is not None else None) for i in range(n)]
+
+
+def launch_generator(i: int, controller_endpoint: str, overrides: Sequence[str] | Mapping[str, Any] | None,
+                     log_dir: str | Path, id_prefix: str = "local",
+                     placement: EnginePlacement | None = None) -> GeneratorHandle:
+    """Start generator ``i`` (``ID_PREFIX-i``, log ``log_dir/generator-i.log``, appended to)."""
     out = Path(log_dir)
     out.mkdir(parents=True, exist_ok=True)
-    extra = as_overrides(overrides)
-    handles = []
-    for i in range(n):
-        gid = f"{id_prefix}-{i}"
-        placement = placements[i] if placements is not None else None
-        cmd = [sys.executable, "-m", "vapo_async.generator", f"controller={controller_endpoint}",
-               f"generator_id={gid}", *extra, *(placement.overrides() if placement is not None else [])]
-        path = out / f"generator-{i}.log"
-        f = open(path, "a")  # noqa: SIM115 - closed by stop_generators
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=_env(placement), start_new_session=True)
-        where = "" if placement is None else \
-            f" on cuda:{','.join(map(str, placement.devices))} (share {placement.gpu_memory_utilization:.2f})"
-        log.info("started generator %s (pid %d)%s, log %s", gid, proc.pid, where, path)
-        handles.append(GeneratorHandle(i, gid, proc, path, f))
-    return handles
+    gid = f"{id_prefix}-{i}"
+    cmd = [sys.executable, "-m", "vapo_async.generator", f"controller={controller_endpoint}",
+           f"generator_id={gid}", *as_overrides(overrides), *(placement.overrides() if placement is not None else [])]
+    path = out / f"generator-{i}.log"
+    f = open(path, "a")  # noqa: SIM115 - closed by stop_generators
+    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=_env(placement), start_new_session=True)
+    where = "" if placement is None else \
+        f" on cuda:{','.join(map(str, placement.devices))} (share {placement.gpu_memory_utilization:.2f})"
+    log.info("started generator %s (pid %d)%s, log %s", gid, proc.pid, where, path)
+    return GeneratorHandle(i, gid, proc, path, f, time.monotonic())
+
+
+def rotate_log(path: Path, keep: int = 5) -> None:
+    """``generator-i.log`` -> ``.log.1`` -> ``.log.2`` ... (the oldest beyond ``keep`` removed)."""
+    for k in range(keep, 0, -1):
+        older = path.with_name(f"{path.name}.{k}")
+        if k == keep:
+            older.unlink(missing_ok=True)
+        elif older.exists():
+            older.rename(path.with_name(f"{path.name}.{k + 1}"))
+    if path.exists():
+        path.rename(path.with_name(f"{path.name}.1"))
 
 
 def stop_generators(handles: Sequence[GeneratorHandle], timeout_s: float = 30.0) -> list[int | None]:

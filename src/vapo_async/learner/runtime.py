@@ -31,12 +31,14 @@ from vapo_async.data import PromptRecord
 from vapo_async.learner.config import LearnerConfig
 from vapo_async.learner.launch import (
     GeneratorHandle,
+    launch_generator,
     start_local_generators,
     stop_generators,
-    tail,
 )
 from vapo_async.learner.module import LearnerModule
+from vapo_async.learner.placement import EnginePlacement
 from vapo_async.learner.rollouts import RolloutBatches
+from vapo_async.learner.supervise import GeneratorSupervisor
 from vapo_async.transport.messages import WeightAnnouncement
 
 log = logging.getLogger("vapo_async.learner")
@@ -72,6 +74,9 @@ class Runtime(Callback):
         self.tokenizer = tokenizer
         self.controller: Controller | None = None
         self.generators: list[GeneratorHandle] = []
+        self.supervisor: GeneratorSupervisor | None = None
+        """Rank 0: restarts dead local generators (learner/supervise.py)."""
+        self._placements: list[EnginePlacement] | None = None
         self.prompts = prompts
         """Rank 0: the train split (loaded by the entry point, so a bad dataset fails before training)."""
         self.rollouts = rollouts
@@ -126,10 +131,17 @@ class Runtime(Callback):
             log.info("GPU placement: %s", placement.describe())
         n = self.cfg.generators.local
         if n > 0:
+            self._placements = placement.generators or None
             with _environment(self.cfg.generators.env):  # the launcher passes os.environ on
                 self.generators = start_local_generators(
                     n, self.controller.endpoint, self._generator_overrides(latest),
-                    log_dir=self.run_dir / "generators", placements=placement.generators or None)
+                    log_dir=self.run_dir / "generators", placements=self._placements)
+            g = self.cfg.generators
+            self.supervisor = GeneratorSupervisor(self.generators, self._relaunch, g.restart_backoff_s, g.max_restarts)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.check_generators()  # restarts are due also while the learner is busy
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.shutdown()
@@ -148,16 +160,24 @@ class Runtime(Callback):
             codes = stop_generators(self.generators, self.cfg.generators.stop_timeout_s)
             log.info("local generators exited with %s", codes)
             self.generators = []
+        self.supervisor = None
         if self.controller is not None:
             self.controller.stop()
 
     def check_generators(self) -> None:
-        """Raise when every local generator has died (and no remote one is expected to help):
-        called by the stream while it waits for rollouts."""
-        if self.generators and not any(h.alive() for h in self.generators):
-            h = self.generators[0]
-            raise RuntimeError(f"all {len(self.generators)} local generators exited (generator 0: code "
-                               f"{h.process.returncode}); last lines of {h.log_path}:\n{tail(h)}")
+        """Rank 0: restart dead local generators when due; raise ``GeneratorFailure`` when they
+        cannot be kept running (learner/supervise.py). Called by the stream while it waits for
+        rollouts and after every step; nothing while the run stops (the same signal may have
+        stopped the generators)."""
+        if self.supervisor is not None and self.rollouts.state.stop_signal is None:
+            self.supervisor.check()
+
+    def _relaunch(self, i: int) -> GeneratorHandle:
+        assert self.controller is not None
+        with _environment(self.cfg.generators.env):
+            return launch_generator(i, self.controller.endpoint, self._generator_overrides(self.rollouts.state.weights),
+                                    self.run_dir / "generators",
+                                    placement=self._placements[i] if self._placements else None)
 
     def context(self) -> int:
         """Rank 0: the context generator engines must offer (``generators.max_model_len``, or the
@@ -177,5 +197,9 @@ class Runtime(Callback):
         return out + list(cfg.generators.overrides)
 
     def controller_metrics(self) -> dict[str, float]:
-        """Rank 0: the controller's ``controller/*`` and ``transport/*`` counters (else empty)."""
-        return self.controller.metrics() if self.controller is not None else {}
+        """Rank 0: the controller's ``controller/*`` and ``transport/*`` counters and
+        ``generators/restarts`` (else empty)."""
+        out = self.controller.metrics() if self.controller is not None else {}
+        if self.supervisor is not None:
+            out["generators/restarts"] = float(self.supervisor.restarts)
+        return out
