@@ -3,10 +3,14 @@
     python benchmarks/soak.py                     # 60 minutes (the issue's default)
     python benchmarks/soak.py --minutes 12        # a short soak (label the result as such)
     python benchmarks/soak.py --report-only       # rebuild md/png from the JSON
+    python benchmarks/soak.py --minutes 120 --kill-every-min 20   # issue 20: a generator killed -9 every 20 min
 
 Runs the real learner, ``python -m vapo_async.learner`` with the default configuration plus
 ``generators.local=2`` (two vLLM generator processes started and stopped by the learner) and a
-step budget too large to reach, then stops it with SIGINT after ``--minutes``. Meanwhile it samples,
+step budget too large to reach, then stops it with SIGTERM after ``--minutes`` (the clean stop of
+learner/stopping.py: exit 143). With ``--kill-every-min N`` the script itself SIGKILLs the process
+group of one generator (in turn) every N minutes, as the OOM killer would; the learner's supervisor
+must restart each (``generators/restarts``). Meanwhile it samples,
 every ``--sample-s`` seconds, the resident memory (RSS, psutil) of every process of the learner's
 tree: the learner, each generator, each vLLM engine core, the reward workers.
 
@@ -16,9 +20,9 @@ Measured (targets from issue 6):
 - stalls: gaps between consecutive training steps (TensorBoard wall times of ``train/version``)
   longer than ``--stall-s``; a deadlock is no step for ``--deadlock-s`` (the run is then stopped;
   target 0);
-- crashes: the learner exiting before the stop, not stopping within 3 min of the SIGINT, or a
-  generator / engine process disappearing mid-run (target 0); restarts: generator processes that
-  came back under a new pid (the learner restarts none, so this stays 0 unless that changes).
+- crashes: the learner exiting before the stop, or not stopping within 3 min of the SIGTERM
+  (target 0); unplanned deaths: a generator or engine process disappearing mid-run other than by
+  the script's own kills; restarts: ``generators/restarts`` at the end (target: every kill).
 
 Writes benchmarks/results/soak.{json,md,png}.
 """
@@ -115,11 +119,14 @@ def soak(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     seen: dict[int, str] = {}
     vanished: list[dict[str, Any]] = []
+    kills: list[dict[str, Any]] = []
     deadlock = False
     end = t0 + 60 * args.minutes
     while time.time() < end and proc.poll() is None:
         now = time.time()
         tree = sample_tree(proc.pid)
+        if args.kill_every_min and now - t0 >= 60 * args.kill_every_min * (len(kills) + 1):
+            kills.append(kill_a_generator(tree, len(kills), now - t0))
         samples.append({"t": now - t0, "rss": {str(pid): [r, mb] for pid, (r, mb) in tree.items()}})
         for pid, (r, _) in tree.items():
             seen.setdefault(pid, r)
@@ -143,14 +150,40 @@ def soak(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
 
     killed = False
     if early_exit is None:
-        (code,) = stop_processes([proc], signal.SIGINT, timeout_s=180, group=True)
+        (code,) = stop_processes([proc], signal.SIGTERM, timeout_s=180, group=True)
         killed = code == -signal.SIGKILL
     else:
         code = early_exit
     stop_processes(children, signal.SIGKILL)  # generators run in their own sessions
     log.close()
-    return {"samples": samples, "vanished": vanished, "deadlock": deadlock, "early_exit": early_exit,
+    return {"samples": samples, "vanished": vanished, "kills": kills, "deadlock": deadlock, "early_exit": early_exit,
             "exit_code": code, "killed": killed, "wall_s": time.time() - t0, "cmd": cmd[1:]}
+
+
+def kill_a_generator(tree: dict[int, tuple[str, float]], k: int, t: float) -> dict[str, Any]:
+    """SIGKILL the process group of the ``k``-th generator in turn (the generator and its engine)."""
+    gens = sorted((r, pid) for pid, (r, _) in tree.items() if r.startswith("generator "))
+    if not gens:
+        return {"t": t, "role": None, "pid": None, "note": "no generator alive to kill"}
+    r, pid = gens[k % len(gens)]
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return {"t": t, "role": r, "pid": pid, "note": "gone before the kill"}
+    print(f"soak: killed {r} (pid {pid}) at {t / 60:.1f} min", flush=True)
+    return {"t": t, "role": r, "pid": pid}
+
+
+def unplanned(vanished: list[dict[str, Any]], kills: list[dict[str, Any]], window_s: float = 120.0) -> list[dict[str, Any]]:
+    """Processes lost mid-run that no kill of this script explains (a kill explains the
+    generator's processes lost within ``window_s`` after it)."""
+    out = []
+    for v in vanished:
+        gid = next((k["role"] for k in kills if k["role"] and k["role"] in v["role"]
+                    and 0 <= v["t"] - k["t"] <= window_s + 10), None)
+        if gid is None:
+            out.append(v)
+    return out
 
 
 def step_times(run_dir: Path) -> list[list[float]]:
@@ -192,14 +225,16 @@ def analyse(raw: dict[str, Any], run_dir: Path, args: argparse.Namespace) -> dic
     gaps = [b[1] - a[1] for a, b in zip(steps, steps[1:], strict=False)]
     growth = rss_growth(raw["samples"], 60 * args.warmup_min, 60 * args.window_min)
     measured = [g for g in growth if g["growth"] is not None]
-    curves = read_scalars(run_dir / "tb", CURVE_TAGS) if (run_dir / "tb").is_dir() else {}
+    curves = read_scalars(run_dir / "tb", (*CURVE_TAGS, "generators/restarts")) if (run_dir / "tb").is_dir() else {}
+    restarts = curves.get("generators/restarts", [])
     return {
         "minutes": args.minutes, "warmup_min": args.warmup_min, "window_min": args.window_min,
         "stall_threshold_s": args.stall_s, "deadlock_threshold_s": args.deadlock_s,
         "steps": len(steps), "step_gap_median_s": statistics.median(gaps) if gaps else None,
         "step_gap_max_s": max(gaps) if gaps else None, "stalls": sum(g > args.stall_s for g in gaps),
-        "deadlocks": int(raw["deadlock"]), "restarts": 0, "killed": raw["killed"],
-        "vanished": raw["vanished"], "early_exit": raw["early_exit"], "exit_code": raw["exit_code"],
+        "deadlocks": int(raw["deadlock"]), "restarts": int(restarts[-1][1]) if restarts else 0,
+        "killed": raw["killed"], "kills": raw.get("kills", []),
+        "unplanned": unplanned(raw["vanished"], raw.get("kills", [])), "vanished": raw["vanished"], "early_exit": raw["early_exit"], "exit_code": raw["exit_code"],
         "rss": growth, "max_growth": max((g["growth"] for g in measured), default=None),
         "rss_target": RSS_TARGET, "step_times": steps, "samples": raw["samples"], "wall_s": raw["wall_s"],
         "cmd": raw["cmd"], "curves": curves,
@@ -207,10 +242,11 @@ def analyse(raw: dict[str, Any], run_dir: Path, args: argparse.Namespace) -> dic
 
 
 def crashes(res: dict[str, Any]) -> int:
-    """The learner exiting before the stop, a generator or engine process lost mid-run, or a learner
-    that did not stop on SIGINT within 3 min. (Exit code 1 after the SIGINT is Lightning's normal
-    "graceful shutdown" code, ``lightning.pytorch.trainer.call``, not a crash.)"""
-    return len(res["vanished"]) + (res["early_exit"] is not None) + bool(res.get("killed"))
+    """Learner crashes: exiting before the stop, or not stopping within 3 min of the signal.
+    (Results before the SIGTERM stop counted lost generator processes here too; see ``unplanned``.)"""
+    if "unplanned" not in res:  # an older result: lost processes were crashes
+        return len(res["vanished"]) + (res["early_exit"] is not None) + bool(res.get("killed"))
+    return (res["early_exit"] is not None) + bool(res.get("killed"))
 
 
 def write_report(res: dict[str, Any]) -> None:
@@ -266,7 +302,7 @@ def write_report(res: dict[str, Any]) -> None:
 {res['label']}
 
 Command: `python {' '.join(res['cmd'])}` (the default configuration plus two local generators), stopped
-with SIGINT after {res['minutes']:.0f} min. {res['meta']['machine']}, {res['meta']['date']}, commit {res['meta']['commit']}.
+with {res.get('stop_signal', 'SIGINT')} after {res['minutes']:.0f} min. Load average (1 min) at start {res['meta'].get('load_avg_start', 'n/a')}, at end {res.get('load_avg_end', 'n/a')}. {res['meta']['machine']}, {res['meta']['date']}, commit {res['meta']['commit']}.
 Learner: {res['learner']}. The machine was shared with other jobs (load is not controlled).
 
 | measure | value | target |
@@ -274,8 +310,10 @@ Learner: {res['learner']}. The machine was shared with other jobs (load is not c
 | training steps | {res['steps']} (median {res['step_gap_median_s'] or 0:.1f} s/step, longest gap {res['step_gap_max_s'] or 0:.1f} s) | |
 | stalls (> {res['stall_threshold_s']:.0f} s between steps) | {res['stalls']} | |
 | deadlocks (no step for {res['deadlock_threshold_s']:.0f} s) | {res['deadlocks']} | 0 ({ok(res['deadlocks'] == 0)}) |
-| crashes | {res['crashes']} (learner exited early: {res['early_exit'] is not None}; processes lost mid-run: {len(res['vanished'])}; exit code after the SIGINT: {res['exit_code']}, Lightning's code for an interrupted fit) | 0 ({ok(res['crashes'] == 0)}) |
-| generator restarts | {res['restarts']} | |
+| learner crashes | {res['crashes']} (exited early: {res['early_exit'] is not None}; exit code after the stop signal: {res['exit_code']}) | 0 ({ok(res['crashes'] == 0)}) |
+| generators killed -9 by the script | {len([k for k in res.get('kills', []) if k.get('pid')])} (every {res.get('kill_every_min') or 'never'} min) | |
+| generator restarts (`generators/restarts`) | {res['restarts']} | every kill ({ok(res['restarts'] >= len([k for k in res.get('kills', []) if k.get('pid')]))}) |
+| processes lost mid-run that no kill explains | {len(res.get('unplanned', res['vanished']))} | 0 |
 | held-out accuracy (`eval/accuracy`, avg@16) | {held_out} | |
 | largest RSS growth after warm-up | {pct(mg)} | <= 5% ({ok(mg is not None and mg <= RSS_TARGET)}) |
 
@@ -301,6 +339,7 @@ def main() -> None:
     p.add_argument("--stall-s", type=float, default=60.0)
     p.add_argument("--deadlock-s", type=float, default=600.0)
     p.add_argument("--startup-s", type=float, default=300.0, help="no deadlock check before this")
+    p.add_argument("--kill-every-min", type=float, default=0.0, help="SIGKILL a generator every N minutes")
     p.add_argument("--label", default="")
     p.add_argument("--note", action="append", default=[], help="a line for the report (kept in the JSON)")
     p.add_argument("--report-only", action="store_true")
@@ -321,6 +360,9 @@ def main() -> None:
         raw = soak(args, run_dir)
         res = analyse(raw, run_dir, args)
         res["start_time"] = start
+        res["kill_every_min"] = args.kill_every_min
+        res["stop_signal"] = "SIGTERM"
+        res["load_avg_end"] = round(os.getloadavg()[0], 2)
         res["learner"] = "the real learner (python -m vapo_async.learner) with 2 local vLLM generators"
         res["label"] = args.label or (f"Short soak: {args.minutes:.0f} minutes instead of the default 60."
                                       if args.minutes < 60 else "Full-length soak.")

@@ -2,7 +2,7 @@
 
     python -m vapo_async.learner                                   # the default run (tiny base, CPU)
     python -m vapo_async.learner algo=dapo trainer=fsdp trainer.devices=8 model=qwen2.5-7b data=dapo_math
-    python -m vapo_async.learner hydra.run.dir=runs/x resume=true
+    python -m vapo_async.learner name=x                          # runs/x; again: continues it
 
 Modules (one stage each):
     config      LearnerConfig and its nodes (Hydra ConfigStore ``learner_schema``)
@@ -14,6 +14,10 @@ Modules (one stage each):
     module      LearnerModule: the training step (thin; maths in update, algo)
     state       RunState: step, version, latest step record; owned by the module, read by callbacks
     rollouts    RolloutBatches: the endless IterableDataset of rollout batches the step pulls from
+    rollout_stats  rollout/* and async/* figures of a batch; per-token staleness
+    stopping    SIGTERM: stop at a batch boundary, checkpoint, exit 143 (watchdog: trainer.stop_grace_s)
+    resume      name=NAME run directories; resume=null continues where last.ckpt exists; settings check
+    supervise   restart dead local generators with backoff, within an hourly budget
     update      recompute pi_prox/values, decoupled GAE, PPO mini-batch updates on one rank
     batching    groups -> sequences -> mini-batches, token-balanced rank shares, micro-batches
     stream      rank 0 pulls groups from the controller; every rank gets its share (tensor scatter)

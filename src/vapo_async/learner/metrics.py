@@ -26,8 +26,8 @@ import numpy as np
 from lightning.pytorch.callbacks import Callback
 
 from vapo_async.learner.config import LoggingConfig
+from vapo_async.learner.rollout_stats import token_staleness
 from vapo_async.learner.state import RunState, StepRecord
-from vapo_async.learner.stream import token_staleness
 
 REQUIRED_TAGS = (
     "rollout/reward_mean", "rollout/accuracy", "rollout/response_length_mean", "actor/pg_loss",

@@ -10,12 +10,13 @@ Once per training step, on learner rank 0:
 2. concatenate the groups into one ``RolloutBatch``, add the DAPO length shaping and the group
    advantage (GRPO/DAPO), and plan mini-batches, rank shares and micro-batches
    (``batching.make_plan``);
-3. send every rank its share (``RolloutBatch.select_responses``) as plain tensors: one ``broadcast``
-   of a small header and one ``scatter`` per array of ``RolloutBatch.flat`` plus the micro-batch
-   slots (no pickling: ``broadcast_object_list`` would unpickle on every rank).
+3. send every rank its share (``RolloutBatch.select_responses``) as plain tensors: a ``broadcast``
+   of a small header and a ``scatter`` per array of ``RolloutBatch.flat`` and the micro-batch slots
+   (no pickling: ``broadcast_object_list`` would unpickle on every rank).
 
 After the optimizer step, ``finish`` tells the source which groups were trained and that the step
-is done (with the new weights' announcement, so new leases require them).
+is done (with the new weights' announcement, so new leases require them). A stop (SIGTERM,
+learner/stopping.py) is a third header status: every rank raises ``StopRequested`` at that batch.
 
 Departures (documented choices): a group's staleness is the current version minus the *oldest*
 version of any of its tokens (a response sampled across a weight change counts as its oldest part);
@@ -35,18 +36,17 @@ import torch.distributed as dist
 
 from vapo_async.algo.advantages import score_responses
 from vapo_async.learner.batching import MinibatchNorms, Plan, make_plan
+from vapo_async.learner.rollout_stats import rollout_stats
 from vapo_async.transport.batch import RolloutBatch
 from vapo_async.transport.messages import WeightAnnouncement
 
 STATUS_OK, STATUS_EMPTY, STATUS_STOP = 0, 1, 2
-HEALTH_POLL_S = 1.0
-"""Longest wait for rollouts between two checks of ``health`` and ``stop``."""
+HEALTH_POLL_S = 1.0  # longest wait for rollouts between two checks of ``health`` and ``stop``
 
 
 class StopRequested(Exception):
-    """The run was asked to stop (SIGTERM): raised by ``RolloutStream.next`` on every rank at the
-    same batch, before any of it is trained. Groups rank 0 had already taken from the controller
-    are untrained; a resume re-issues them (``ControllerState.load_state_dict``)."""
+    """A stop (SIGTERM) before this batch, raised on every rank; groups already taken are untrained
+    and a resume re-issues them (``ControllerState.load_state_dict``)."""
 """While waiting for rollouts, check generator health this often."""
 
 
@@ -209,7 +209,7 @@ class RolloutStream:
             seen += fresh
             kept += [g for g in fresh if not (cfg.dynamic_sampling and _all_equal(g))]
         wait = time.monotonic() - t0
-        return kept, _rollout_stats(seen, version, wait, n_stale, n_filtered, rounds)
+        return kept, rollout_stats(seen, version, wait, n_stale, n_filtered, rounds)
 
     def _next_groups(self, n: int) -> list[RolloutBatch]:
         """``source.next_batch(n)`` in slices of ``HEALTH_POLL_S``, checking ``stop`` and ``health``
@@ -268,7 +268,7 @@ class RolloutStream:
             return local
         return self._receive()
 
-    def _check_stop(self) -> None:
+    def _check_stop(self) -> None:  # rank 0
         if self.stop is not None and self.stop():
             raise StopRequested("stop requested")
 
@@ -366,37 +366,3 @@ def _norms_tensor(norms: list[MinibatchNorms]) -> torch.Tensor:
 
 def _norms_list(t: torch.Tensor) -> list[MinibatchNorms]:
     return [MinibatchNorms(*row.tolist()) for row in t.view(-1, 4)]
-
-
-def _rollout_stats(groups: list[RolloutBatch], version: int, wait_s: float, n_stale: int,
-                   n_filtered: int, rounds: int) -> dict[str, float]:
-    """Rollout metrics over the fresh groups of a step (before dynamic-sampling filtering)."""
-    out = {"async/dropped_stale": float(n_stale), "rollout/dropped_filtered": float(n_filtered),
-           "rollout/sampling_rounds": float(rounds), "perf/wait_s": wait_s}
-    if not groups:
-        return out
-    b = RolloutBatch.concat(groups)
-    rewards, correct = b.rewards.astype(np.float64), b.correct.astype(np.float64)
-    trunc, lens = b.truncated.astype(np.float64), b.response_lens.astype(np.float64)
-    vers = b.versions.astype(np.int64)
-    stale = (version - vers).astype(np.float64)
-    out.update({
-        "rollout/reward_mean": float(rewards.mean()),
-        "rollout/accuracy": float(correct.mean()),
-        "rollout/response_length_mean": float(lens.mean()),
-        "rollout/response_length_max": float(lens.max()),
-        "rollout/truncated_fraction": float(trunc.mean()),
-        "rollout/groups": float(len(groups)),
-        "rollout/response_tokens": float(lens.sum()),
-        "async/staleness_mean": float(stale.mean()) if stale.size else 0.0,
-        "async/staleness_max": float(stale.max()) if stale.size else 0.0,
-        "rollout/token_version_min": float(vers.min()) if vers.size else -1.0,
-        "rollout/token_version_max": float(vers.max()) if vers.size else -1.0,
-        "rollout/gen_time_s_mean": float(np.mean([i.gen_time_s for i in b.info])) if b.info else 0.0,
-    })
-    return out
-
-
-def token_staleness(groups: list[RolloutBatch], version: int) -> np.ndarray:
-    """(sum L_i,) current version minus each response token's version (for the histogram)."""
-    return version - RolloutBatch.concat(groups).versions.astype(np.int64)
