@@ -23,9 +23,15 @@ LEADER = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, l
           "c.stdout.readline(); print(c.pid, flush=True); time.sleep(120)")
 
 
+def _default_sigint() -> None:
+    """A shell starts background jobs with SIGINT ignored, and children inherit that; Python then
+    installs no KeyboardInterrupt handler. The processes here get the default, as in a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(code: str, new_session: bool = False) -> subprocess.Popen[str]:
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            start_new_session=new_session)
+                            start_new_session=new_session, preexec_fn=_default_sigint)
     assert proc.stdout is not None
     proc.stdout.readline()  # its signal handlers are in place
     return proc

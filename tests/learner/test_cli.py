@@ -46,11 +46,11 @@ def test_short_cfg_flag_with_package_and_resolve(tmp_path):
 
 
 def test_cfg_hydra_shows_that_the_learner_routes_its_own_logging(tmp_path):
-    proc = _cli("--cfg", "hydra", cwd=tmp_path)
+    proc = _cli("--cfg", "hydra", "--resolve", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     hydra = yaml.safe_load(proc.stdout)["hydra"]
     assert hydra["job_logging"]["root"] is None  # hydra/job_logging=none: console.py sets it up
-    assert hydra["run"]["dir"].startswith("runs/")
+    assert hydra["run"]["dir"].startswith("runs/20")  # no name: a timestamped run directory
 
 
 @pytest.mark.parametrize("info", [[], ["defaults"]])
