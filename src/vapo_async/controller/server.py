@@ -161,15 +161,16 @@ class Controller:
             self.state.mark_dropped(groups)
         self._wake()
 
-    def step_done(self, ann: WeightAnnouncement | None = None) -> None:
-        """One optimizer step finished: admission opens for B more groups.
+    def step_done(self, ann: WeightAnnouncement | None = None, trained: int | None = None) -> None:
+        """One optimizer step finished, having trained ``trained`` groups (None: B): admission
+        opens for as many more (a short step of dynamic sampling opens fewer).
 
         If the step publishes weights, pass its announcement here (or ``announce`` it first):
         the slots this opens are then leased with the new version, which keeps the staleness
         of every trained token <= eta versions. Calling ``step_done()`` before the announcement
         lets generators start those slots on the previous version (staleness up to eta + 1)."""
         with self._lock:
-            self.state.step_done(ann)
+            self.state.step_done(ann, trained)
             if ann is not None:
                 self._to_publish.append(ann)
         self._wake()

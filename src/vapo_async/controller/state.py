@@ -298,11 +298,12 @@ class ControllerState:
             self.ledger.finish(g.admission_index, trained=False)
         self.admission.release(len(groups))
 
-    def step_done(self, ann: WeightAnnouncement | None = None) -> None:
-        """One optimizer step finished (and published ``ann``, if given): B more slots open."""
+    def step_done(self, ann: WeightAnnouncement | None = None, trained: int | None = None) -> None:
+        """One optimizer step finished (and published ``ann``, if given) having trained
+        ``trained`` groups (None: B): as many slots open (``Admission.step_done``)."""
         if ann is not None:
             self.announce(ann)
-        self.admission.steps_done += 1
+        self.admission.step_done(self.admission.batch_groups if trained is None else trained)
 
     def announce(self, ann: WeightAnnouncement) -> None:
         """A new policy version: leases made from now on require it."""

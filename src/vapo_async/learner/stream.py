@@ -61,7 +61,7 @@ class GroupSource(Protocol):
     def next_batch(self, n_groups: int, timeout_s: float | None = None) -> list[RolloutBatch]: ...
     def mark_trained(self, groups: Sequence[RolloutBatch]) -> None: ...
     def mark_dropped(self, groups: Sequence[RolloutBatch]) -> None: ...
-    def step_done(self, ann: WeightAnnouncement | None = None) -> None: ...
+    def step_done(self, ann: WeightAnnouncement | None = None, trained: int | None = None) -> None: ...
 
 
 class ListSource:
@@ -94,7 +94,7 @@ class ListSource:
     def mark_dropped(self, groups: Sequence[RolloutBatch]) -> None:
         self.dropped += len(groups)
 
-    def step_done(self, ann: WeightAnnouncement | None = None) -> None:
+    def step_done(self, ann: WeightAnnouncement | None = None, trained: int | None = None) -> None:
         self.steps += 1
         if ann is not None:
             self.version = ann.version
@@ -278,10 +278,11 @@ class RolloutStream:
         if self.rank != 0:
             return
         assert self.source is not None
+        trained = len(self._pending)  # B, or fewer when dynamic sampling gave up (a short step)
         if self._pending:
             self.source.mark_trained(self._pending)
         self._pending = []
-        self.source.step_done(ann)
+        self.source.step_done(ann, trained)
 
     # ---- tensor transport ----
 
