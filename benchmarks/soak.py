@@ -3,7 +3,7 @@
     python benchmarks/soak.py                     # 60 minutes (the issue's default)
     python benchmarks/soak.py --minutes 12        # a short soak (label the result as such)
     python benchmarks/soak.py --report-only       # rebuild md/png from the JSON
-    python benchmarks/soak.py --minutes 120 --kill-every-min 20   # issue 20: a generator killed -9 every 20 min
+    python benchmarks/soak.py --minutes 120 --kill-every-min 20 --name soak_kills   # a generator killed -9 every 20 min
 
 Runs the real learner, ``python -m vapo_async.learner`` with the default configuration plus
 ``generators.local=2`` (two vLLM generator processes started and stopped by the learner) and a
@@ -24,7 +24,7 @@ Measured (targets from issue 6):
   (target 0); unplanned deaths: a generator or engine process disappearing mid-run other than by
   the script's own kills; restarts: ``generators/restarts`` at the end (target: every kill).
 
-Writes benchmarks/results/soak.{json,md,png}.
+Writes benchmarks/results/soak.{json,md,png} (``--name`` picks another name).
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _records import CURVE_TAGS, RESULTS, read_scalars, run_meta  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-JSON, MD, PNG = (RESULTS / f"soak.{ext}" for ext in ("json", "md", "png"))
+def outputs(name: str) -> tuple[Path, Path, Path]:
+    """benchmarks/results/NAME.{json,md,png}."""
+    return RESULTS / f"{name}.json", RESULTS / f"{name}.md", RESULTS / f"{name}.png"
 RSS_TARGET = 0.05
 
 
@@ -249,7 +251,8 @@ def crashes(res: dict[str, Any]) -> int:
     return (res["early_exit"] is not None) + bool(res.get("killed"))
 
 
-def write_report(res: dict[str, Any]) -> None:
+def write_report(res: dict[str, Any], name: str = "soak") -> None:
+    _, MD, PNG = outputs(name)
     res["crashes"] = crashes(res)
     import matplotlib
 
@@ -311,7 +314,7 @@ Learner: {res['learner']}. The machine was shared with other jobs (load is not c
 | stalls (> {res['stall_threshold_s']:.0f} s between steps) | {res['stalls']} | |
 | deadlocks (no step for {res['deadlock_threshold_s']:.0f} s) | {res['deadlocks']} | 0 ({ok(res['deadlocks'] == 0)}) |
 | learner crashes | {res['crashes']} (exited early: {res['early_exit'] is not None}; exit code after the stop signal: {res['exit_code']}) | 0 ({ok(res['crashes'] == 0)}) |
-| generators killed -9 by the script | {len([k for k in res.get('kills', []) if k.get('pid')])} (every {res.get('kill_every_min') or 'never'} min) | |
+| generators killed -9 by the script | {len([k for k in res.get('kills', []) if k.get('pid')])} ({f"one every {res['kill_every_min']:g} min" if res.get('kill_every_min') else 'no kills in this run'}) | |
 | generator restarts (`generators/restarts`) | {res['restarts']} | every kill ({ok(res['restarts'] >= len([k for k in res.get('kills', []) if k.get('pid')]))}) |
 | processes lost mid-run that no kill explains | {len(res.get('unplanned', res['vanished']))} | 0 |
 | held-out accuracy (`eval/accuracy`, avg@16) | {held_out} | |
@@ -326,7 +329,7 @@ RSS growth = median RSS over the last {res['window_min']:.0f} min vs the median 
 
 {notes}
 
-![soak](soak.png)
+![soak]({PNG.name})
 """)
 
 
@@ -343,15 +346,17 @@ def main() -> None:
     p.add_argument("--label", default="")
     p.add_argument("--note", action="append", default=[], help="a line for the report (kept in the JSON)")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--name", default="soak", help="results file names: benchmarks/results/NAME.{json,md,png}")
     p.add_argument("overrides", nargs="*", help="extra learner overrides")
     args = p.parse_args()
     args.warmup_min = 0.2 * args.minutes if args.warmup_min is None else args.warmup_min
     args.window_min = 0.15 * args.minutes if args.window_min is None else args.window_min
     RESULTS.mkdir(parents=True, exist_ok=True)
+    JSON = outputs(args.name)[0]
     if args.report_only:
         res = json.loads(JSON.read_text())
         res["notes"] = res.get("notes", []) + args.note
-        write_report(res)
+        write_report(res, args.name)
         JSON.write_text(json.dumps(res, indent=1))
         return
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
@@ -370,7 +375,7 @@ def main() -> None:
         res["notes"] = args.note
         log_tail = (run_dir.parent / "learner.log").read_text(errors="replace").splitlines()[-40:]
         res["log_tail"] = log_tail
-    write_report(res)
+    write_report(res, args.name)
     JSON.write_text(json.dumps(res, indent=1))
     print(json.dumps({k: res[k] for k in ("steps", "stalls", "deadlocks", "crashes", "max_growth", "exit_code")}))
 
