@@ -116,7 +116,7 @@ def test_fsdp_learner_with_generator_runs_and_resumes(tiny_model_dir, tmp_path):
     assert saved["global_step"] == 3 and saved["vapo"]["version"] == 3
     assert saved["callbacks"], "controller state missing from the checkpoint"
 
-    second = _learner(run_dir, [*common, "trainer.max_steps=4", "resume=true"])
+    second = _learner(run_dir, [*common, "trainer.max_steps=4"])  # resume=null: last.ckpt exists, so it continues
     assert second.returncode == 0, second.stderr[-4000:]
     resumed = [ln for ln in second.stdout.splitlines() if ln.startswith("resumed from")]
     assert resumed and "step 3, version 3" in resumed[0] and " matches " in resumed[0], second.stdout[-2000:]

@@ -175,7 +175,11 @@ class Runtime(Callback):
     def _relaunch(self, i: int) -> GeneratorHandle:
         assert self.controller is not None
         with _environment(self.cfg.generators.env):
-            return launch_generator(i, self.controller.endpoint, self._generator_overrides(self.rollouts.state.weights),
+            # no model=: the restarted generator takes the current version from its welcome and links
+            # it into its own cache before loading, so the learner's pruning of older versions cannot
+            # remove the files under it (a model=RUN/weights/vN given here could be pruned while a
+            # slow engine starts: the first kill soak lost a restart to that)
+            return launch_generator(i, self.controller.endpoint, self._generator_overrides(None, with_model=False),
                                     self.run_dir / "generators",
                                     placement=self._placements[i] if self._placements else None)
 
@@ -185,13 +189,14 @@ class Runtime(Callback):
         cfg = self.cfg
         return cfg.generators.max_model_len or engine_context(self.prompts, self.tokenizer, cfg.sampling.max_tokens)
 
-    def _generator_overrides(self, latest: WeightAnnouncement | None) -> list[str]:
+    def _generator_overrides(self, latest: WeightAnnouncement | None, with_model: bool = True) -> list[str]:
         # sampling, context and reward settings reach every generator in the welcome
         cfg = self.cfg
         model, version = (latest.path, latest.version) if latest is not None and latest.version > 0 \
             else (self.model_path, 0)
-        out = [f"model={model}", f"model_version={version}", f"max_prompts={cfg.generators.max_prompts}",
-               f"engine.seed={cfg.seed}", f"engine.tensor_parallel_size={cfg.generators.tensor_parallel_size}"]
+        out = [f"model={model}", f"model_version={version}"] if with_model else []
+        out += [f"max_prompts={cfg.generators.max_prompts}", f"engine.seed={cfg.seed}",
+                f"engine.tensor_parallel_size={cfg.generators.tensor_parallel_size}"]
         if cfg.generators.kv_cache_bytes is not None:
             out.append(f"engine.kv_cache_bytes={cfg.generators.kv_cache_bytes}")
         return out + list(cfg.generators.overrides)
