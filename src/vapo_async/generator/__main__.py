@@ -21,6 +21,7 @@ refused initial weights) end with a one-line message and exit code 2.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -113,7 +114,9 @@ def run(cfg: GeneratorConfig) -> int:
     try:
         client = ControllerClient(transport, generator_id, max_prompts=cfg.max_prompts)
         client.version = cfg.model_version if cfg.model is not None else 0
-        log.info("connecting to controller at %s as %s", cfg.controller, generator_id)
+        log.info("connecting to controller at %s as %s (CUDA_VISIBLE_DEVICES=%s, engine.gpu_memory_utilization=%s)",
+                 cfg.controller, generator_id, os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+                 cfg.engine.gpu_memory_utilization)
         welcome = _connect(client, cfg, stop)
         if welcome is None:
             client.bye([])
