@@ -53,7 +53,7 @@ def workload(base: Path, rounds: int, every: int, tmp: Path) -> list[tuple[int, 
     from vapo_async.common.engine import EngineConfig
     from vapo_async.common.sampling import GroupSamplingConfig
     from vapo_async.generator.engine import VLLMEngine
-    from vapo_async.transport.weights import WeightPublisher
+    from vapo_async.transport.publisher import WeightPublisher
 
     pub = WeightPublisher(tmp / "weights", base, keep=3)
     sd = load_file(base / "model.safetensors")

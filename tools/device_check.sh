@@ -127,7 +127,7 @@ trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision="
                     strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
                     max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
-step_s, update_s = [], []
+step_s, update_s, publish_s, write_s = [], [], [], []
 
 
 class Timer(L.Callback):
@@ -154,6 +154,8 @@ class Timer(L.Callback):
         m = module.state.last.metrics
         step_s.append(m["perf/step_s"])
         update_s.append(m["perf/update_s"])
+        publish_s.append(m["perf/publish_s"])  # the training thread's stall: the copy to host
+        write_s.append(m["weights/write_s"])  # the background writer's time for the previous version
         print(f"step {module.state.last.step}: {m['perf/step_s']:.2f} s (update {m['perf/update_s']:.2f} s, "
               f"publish {m['perf/publish_s']:.2f} s), padding {m.get('perf/padding_fraction', 0):.1%}"
               + "".join(f", {k} {v[-1]:.2f} s" for k, v in phases.items() if v), flush=True)
@@ -173,10 +175,14 @@ res = {
     "model_flops_per_step": flops, "achieved_tflops": flops / t_upd / 1e12, "matmul_tflops": peak / 1e12,
     "mfu": flops / t_upd / peak, "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     "wall_s": time.time() - t_start, "micro_batch_tokens": cfg.batching.micro_batch_tokens,
+    "publish_stall_s": publish_s, "publish_write_s": write_s,
+    "publish_stall_fraction_median": float(np.median([p / s for p, s in zip(publish_s[1:] or publish_s,
+                                                                             step_s[1:] or step_s, strict=True)])),
 }
 print(json.dumps(res, indent=1))
 print(f"RESULT tokens/s {res['tokens_per_s']:.0f}  achieved {res['achieved_tflops']:.1f} TFLOP/s  "
-      f"MFU {100 * res['mfu']:.1f}% of the measured matmul rate  ({res['wall_s']:.0f} s)")
+      f"MFU {100 * res['mfu']:.1f}% of the measured matmul rate  publish stall "
+      f"{100 * res['publish_stall_fraction_median']:.1f}% of a step  ({res['wall_s']:.0f} s)")
 if not smoke and not profile:
     out = Path("benchmarks/results/device_check.json")
     out.parent.mkdir(parents=True, exist_ok=True)

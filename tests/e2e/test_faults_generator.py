@@ -49,7 +49,7 @@ from safetensors.torch import load_file
 from vapo_async.controller.config import ControllerConfig
 from vapo_async.controller.server import Controller
 from vapo_async.transport.config import TransportConfig
-from vapo_async.transport.weights import WeightPublisher
+from vapo_async.transport.publisher import WeightPublisher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

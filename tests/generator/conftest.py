@@ -9,7 +9,7 @@ import pytest
 from genhelp import Published, make_engine
 from safetensors.torch import load_file
 
-from vapo_async.transport.weights import WeightPublisher
+from vapo_async.transport.publisher import WeightPublisher
 
 
 @pytest.fixture(scope="package")

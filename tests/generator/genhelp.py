@@ -18,7 +18,7 @@ from transformers import Qwen2ForCausalLM
 from vapo_async.common.sampling import GroupSamplingConfig
 from vapo_async.generator.engine import Completion
 from vapo_async.transport.messages import WeightAnnouncement
-from vapo_async.transport.weights import WeightPublisher
+from vapo_async.transport.publisher import WeightPublisher
 
 LM_HEAD_SCALE = 20.0
 """Logit std ~ 0.02 * sqrt(128) * 20 ~ 4.5 nats: peaked next-token distributions."""

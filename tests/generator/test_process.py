@@ -26,7 +26,7 @@ from vapo_async.learner.launch import (
 )
 from vapo_async.transport.config import TransportConfig
 from vapo_async.transport.messages import RolloutBatch
-from vapo_async.transport.weights import WeightPublisher
+from vapo_async.transport.publisher import WeightPublisher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -27,8 +27,8 @@ from vapo_async.transport.messages import (
     WeightsRefused,
     decode_from_generator,
 )
+from vapo_async.transport.publisher import WeightPublisher
 from vapo_async.transport.synthetic import ScriptedGenerator
-from vapo_async.transport.weights import WeightPublisher
 
 pytestmark = pytest.mark.vllm
 

@@ -43,19 +43,32 @@ def build(model_dir: str, run_dir: str, strategy: str, devices: int):
     return module, trainer
 
 
-def critic_state(module) -> dict:
-    from vapo_async.learner.publish import full_state_dict
+def full_state(model) -> dict:
+    """The full state dict on CPU, gathered by torch's own API (rank 0 under FSDP2; a collective):
+    the reference the published shards are compared with."""
+    import torch
+    from torch.distributed.tensor import DTensor
 
-    return full_state_dict(module.critic)
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def critic_state(module) -> dict:
+    return full_state(module.critic)
 
 
 if __name__ == "__main__":
     model_dir, run_dir, strategy, devices = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     module, trainer = build(model_dir, run_dir, strategy, devices)
     trainer.fit(module)
-    state = critic_state(module)  # collective under FSDP2
+    state = critic_state(module)  # collectives under FSDP2
+    actor = full_state(module.actor)
+    module.publishing.close()
     if trainer.global_rank == 0:
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in state.items()}, str(Path(run_dir) / "critic.safetensors"))
-        module.publishing.close()
+        save_file({k: v.contiguous() for k, v in actor.items()}, str(Path(run_dir) / "actor.safetensors"))

@@ -1,8 +1,11 @@
 """A training step on 2 CPU ranks (gloo) with FSDP2 and with DDP (replicate-only FSDP2) equals the
-single-device step on the same batch: same published actor weights and critic weights."""
+single-device step on the same batch: same published actor weights and critic weights. The 2-rank
+version is published by both ranks, one shard file each, and equals the actor gathered by torch's
+own full-state-dict API bit for bit."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,7 +27,14 @@ def _single_device(model_dir: Path, run_dir: Path) -> tuple[dict, dict]:
     trainer.fit(module)
     module.publishing.close()
     assert module.state.version == 1
-    return load_file(str(run_dir / "weights" / "v00000001" / "model.safetensors")), critic_state(module)
+    return _published(run_dir / "weights" / "v00000001"), critic_state(module)
+
+
+def _published(d: Path) -> dict:
+    out: dict = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
 
 
 def _two_ranks(model_dir: Path, run_dir: Path, strategy: str) -> tuple[dict, dict]:
@@ -33,8 +43,14 @@ def _two_ranks(model_dir: Path, run_dir: Path, strategy: str) -> tuple[dict, dic
     proc = subprocess.run([sys.executable, str(HERE / "dist_step_script.py"), str(model_dir), str(run_dir),
                            strategy, "2"], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return (load_file(str(run_dir / "weights" / "v00000001" / "model.safetensors")),
-            load_file(str(run_dir / "critic.safetensors")))
+    d = run_dir / "weights" / "v00000001"
+    assert sorted(p.name for p in d.glob("*.safetensors")) == [f"model-0000{k}-of-00002.safetensors" for k in (1, 2)]
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    published, gathered = _published(d), load_file(str(run_dir / "actor.safetensors"))
+    assert set(published) == set(index) and set(gathered) >= set(published)
+    for k, v in published.items():  # each rank wrote its share; together: the actor, bit for bit
+        assert torch.equal(v, gathered[k]), k
+    return published, load_file(str(run_dir / "critic.safetensors"))
 
 
 @pytest.fixture(scope="module")

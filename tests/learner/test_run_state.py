@@ -50,7 +50,7 @@ class Seen(L.Callback):
 def _module(model_dir: Path, run_dir: Path, source: ListSource) -> LearnerModule:
     cfg = LearnerConfig()
     cfg.algo = dataclasses.replace(preset("vapo"), batch_groups=3, group_size=4, mini_batches=1, warmup_steps=0,
-                                   value_warmup_steps=0, actor_lr=1e-3, critic_lr=1e-3)
+                                   value_warmup_steps=0, actor_lr=1e-3, critic_lr=1e-3, eta=0)
     cfg.batching.micro_batch_tokens = 64
     cfg.sampling.max_tokens = 14
     return LearnerModule(cfg, str(model_dir), run_dir, source=source)
@@ -74,7 +74,8 @@ def test_callbacks_read_the_modules_state_and_batches_are_pulled_when_the_step_s
     # after step k (0-based): k + 1 steps done, version k + 1 (every step trains the actor), and
     # Lightning's global_step counts training steps, not the optimizer steps inside them
     assert seen.rows == [(1, 1, 0, 1), (2, 2, 1, 2), (3, 3, 2, 3)]
-    # step k pulled its batch after step k - 1 was reported done with its new version: nothing prefetched
+    # step k pulled its batch after step k - 1 was reported done with its new version: nothing
+    # prefetched, and with eta = 0 the learner waited for the background writer to announce it
     assert source.pulls == [(0, 0), (1, 1), (2, 2)]
     assert module.state.last.metrics["async/staleness_mean"] == 0.0
     assert module.state.weights is not None and module.state.weights.version == 3

@@ -16,7 +16,8 @@ from vapo_async.controller.server import Controller
 from vapo_async.transport.client import ControllerClient
 from vapo_async.transport.config import TransportConfig
 from vapo_async.transport.messages import Lease, WeightAnnouncement
-from vapo_async.transport.weights import MANIFEST, WeightPublisher, WeightsError
+from vapo_async.transport.publisher import WeightPublisher
+from vapo_async.transport.weights import MANIFEST, WeightsError
 
 CHUNK = 64 << 10
 

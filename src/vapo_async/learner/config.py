@@ -24,6 +24,7 @@ from vapo_async.learner.errors import (
 from vapo_async.learner.model_presets import check_model_preset
 from vapo_async.learner.trainer_config import STRATEGIES, TrainerConfig, trainer_kwargs
 from vapo_async.rewards import RewardConfig
+from vapo_async.transport.digest import HASHES
 
 
 def _mutable_mirror(cls: type, name: str) -> type:
@@ -37,6 +38,8 @@ def _mutable_mirror(cls: type, name: str) -> type:
 
 
 if TYPE_CHECKING:  # same fields; checkers need a static class
+    import torch
+
     TinyModelConfig = TinyBaseConfig
 else:
     TinyModelConfig = _mutable_mirror(TinyBaseConfig, "TinyModelConfig")
@@ -192,6 +195,33 @@ class CheckpointConfig:
 
 
 @dataclass
+class WeightsConfig:
+    """Published weight versions under ``RUN_DIR/weights``: what generators and the evaluation load
+    (written in the background, ``learner/publish.py``)."""
+
+    dtype: str = "auto"
+    """Floating tensors in the files: ``auto`` = bfloat16 when the learner computes in bf16
+    (``trainer.precision`` bf16-*), else float32; or float32, bfloat16, float16."""
+    hash: str = "xxh3_128"
+    """File digests in MANIFEST.json: xxh3_128 (memory speed) or sha256."""
+    fsync: bool = True
+    """fsync every file before the version is renamed into place (after a machine crash no version
+    name holds an empty file)."""
+    shard_gib: float = 4.0
+    """Largest safetensors file, GiB (each rank's share is cut into files of at most this)."""
+    finalize_timeout_s: float = 600.0
+    """Rank 0 waits this long for the other ranks' files of a version, then fails the run."""
+
+    def torch_dtype(self, precision: object) -> torch.dtype:
+        """The dtype of the files for a learner at ``trainer.precision``."""
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if str(precision).startswith("bf16") else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+
+@dataclass
 class LearnerConfig:
     """The whole run: ``python -m vapo_async.learner [overrides]``."""
 
@@ -219,6 +249,8 @@ class LearnerConfig:
     """Held-out evaluation during training."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints and published weights."""
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    """Published weight versions: dtype, digests, file size."""
     seed: int = 0
     """Seed of model init randomness and mini-batch shuffling."""
     threads: int | None = None
@@ -268,6 +300,13 @@ def validate(cfg: LearnerConfig) -> None:
         raise ConfigError(f"batching.micro_batch_tokens={cfg.batching.micro_batch_tokens}: must be >= 1")
     if cfg.checkpoint.keep_weights < 2:
         raise ConfigError(f"checkpoint.keep_weights={cfg.checkpoint.keep_weights}: must be >= 2")
+    if cfg.weights.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"weights.dtype={cfg.weights.dtype!r}: choose auto, float32, bfloat16 or float16")
+    if cfg.weights.hash not in HASHES:
+        raise ConfigError(f"weights.hash={cfg.weights.hash!r}: choose one of {', '.join(HASHES)}")
+    if cfg.weights.shard_gib <= 0 or cfg.weights.finalize_timeout_s <= 0:
+        raise ConfigError(f"weights.shard_gib={cfg.weights.shard_gib}, weights.finalize_timeout_s="
+                          f"{cfg.weights.finalize_timeout_s}: must be > 0")
     if cfg.sampling.temperature <= 0:
         raise ConfigError(f"sampling.temperature={cfg.sampling.temperature}: must be > 0 (the learner "
                           "divides logits by it)")

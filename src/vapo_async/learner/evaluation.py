@@ -214,6 +214,9 @@ class HeldOutEval(Callback):
         if self.reward_fn is None:
             self.reward_fn = build_reward_fn(self.reward)
         version, step = state.version, state.step
+        publishing = getattr(pl_module, "publishing", None)
+        if version > 0 and publishing is not None:
+            publishing.flush()  # written in the background (learner/publish.py): wait for this version
         path = self.base_dir if version == 0 else self._published(version)
         writer = trainer.logger.experiment if trainer.logger is not None else None
         if self.cfg.background:

@@ -7,7 +7,8 @@ in ``metrics.py`` and the controller/generators in ``runtime.py``.
 A training step (every rank):
   pull this rank's share of a global batch -> recompute pi_prox and values -> advantages ->
   PPO epochs over mini-batches (critic only during value pretraining) -> if the actor changed:
-  version += 1 and publish the weights -> tell the controller the step is done.
+  version += 1 and snapshot the weights (written in the background) -> tell the controller the
+  step is done once that version is announced (``reports.py``).
 
 Departures (documented choices): AdamW without weight decay (the papers give none); value pretraining (VAPO technique 1) may stop before
 ``value_warmup_steps`` once the explained variance of a batch reaches
@@ -169,11 +170,22 @@ class LearnerModule(L.LightningModule):
             group_advantage=a.advantage_estimator == "group", overlong=overlong,
             timeout_s=self.cfg.batching.batch_timeout_s, seed=self.cfg.seed)
         self.rollouts.open(scfg, self.global_rank, self.trainer.world_size, self.device)
-        self.publishing = WeightPublishing(self.run_dir / "weights", self.model_path,
-                                           self.cfg.checkpoint.keep_weights, self.global_rank)
+        w = self.cfg.weights
+        self.publishing = WeightPublishing(
+            self.run_dir / "weights", self.model_path, self.cfg.checkpoint.keep_weights, self.global_rank,
+            self.trainer.world_size, w.torch_dtype(self.cfg.trainer.precision), w.hash, w.fsync,
+            int(w.shard_gib * (1 << 30)), w.finalize_timeout_s)
+        self.publishing.on_published = self._on_published
+
+    def _on_published(self, ann: WeightAnnouncement) -> None:
+        """Rank 0, on the weight writer's thread: a submitted version is complete on disk."""
+        self.state.weights = ann
+        self.rollouts.published(ann)
 
     def on_train_start(self) -> None:
-        assert self.rollouts.stream is not None
+        assert self.rollouts.stream is not None and self.publishing is not None
+        # the start version exists for generators (published by the Runtime, or the base model offline)
+        self.publishing.announced = max(self.publishing.announced, self.state.version)
         self.rollouts.stream.device = self.device  # the strategy has moved the module by now
         if self.ref is not None and self._mesh() is None:
             self.ref.to(self.device)
@@ -191,6 +203,8 @@ class LearnerModule(L.LightningModule):
         state = self.state
         t0 = time.monotonic()
         warmup = self.in_value_warmup
+        if self.global_rank == 0:  # never more than eta versions ahead of the announced weights
+            self.publishing.wait_published(state.version - self.algo.eta, lambda: state.stop_signal is not None)
         try:
             local, _, _ = next(dataloader_iter)  # pulled now, for this step and version (rollouts.py)
         except StopIteration:  # a stop was requested (rollouts.py): Lightning's loop ends, callbacks run
@@ -204,12 +218,10 @@ class LearnerModule(L.LightningModule):
             actor_changed = self._train_on(local, warmup, rec)
             trained = rec.metrics.get("train/skipped_nonfinite_batch") == 0.0
         t2 = time.monotonic()
-        ann = None
-        if actor_changed:
+        if actor_changed:  # the training thread pays only the copy to host (learner/publish.py)
             state.version += 1
-            ann = self.publishing.publish(self.actor, state.version)
-            state.weights = ann
-        self.rollouts.finish(ann)
+            self.publishing.submit(self.actor, state.version)
+        self.rollouts.finish(state.version if actor_changed else None)
         t3 = time.monotonic()
         if trained:  # the warm-up counts steps that trained (a skipped batch changed nothing)
             for sched in self._schedulers(warmup):
@@ -221,12 +233,21 @@ class LearnerModule(L.LightningModule):
             "train/step": float(state.step), "train/version": float(state.version),
             "train/value_warmup": float(warmup), "perf/step_s": t3 - t0, "perf/wait_s": t1 - t0,
             "perf/update_s": t2 - t1, "perf/publish_s": t3 - t2,
+            **self._weights_metrics(),
             "perf/learner_idle_fraction": (t1 - t0) / max(t3 - t0, 1e-9),
             "perf/learner_tokens_per_s": tokens / max(t2 - t1, 1e-9),
         })
         state.step += 1
         state.last = rec
         advance_global_step(self.trainer)
+
+    def _weights_metrics(self) -> dict[str, float]:
+        """``weights/*``: the background writer (rank 0's view)."""
+        assert self.publishing is not None
+        st, last = self.publishing.stats, self.publishing.last
+        return {"weights/write_s": st.last_write_s, "weights/skipped": float(st.skipped),
+                "weights/abandoned": float(st.abandoned),
+                "weights/lag_versions": float(self.state.version - (last.version if last else 0))}
 
     def _train_on(self, local: LocalBatch, warmup: bool, rec: StepRecord) -> bool:
         """Recompute, advantages and PPO updates on this rank's share; True if the actor changed."""

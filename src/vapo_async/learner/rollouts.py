@@ -61,9 +61,14 @@ class RolloutBatches(IterableDataset[LocalBatch]):
                 return
             yield batch
 
-    def finish(self, ann: WeightAnnouncement | None) -> None:
-        """After the step: report the trained groups and the step (with its new weights) to the source."""
-        self._stream().finish(ann)
+    def finish(self, needs_version: int | None) -> None:
+        """After the step: report the trained groups now and the step once ``needs_version`` (the
+        version it made; None: none) is announced (``RolloutStream.finish``)."""
+        self._stream().finish(needs_version)
+
+    def published(self, ann: WeightAnnouncement) -> None:
+        """A version is complete on disk (called from the weight writer's thread)."""
+        self._stream().published(ann)
 
     def loader(self) -> DataLoader[LocalBatch]:
         """The DataLoader Lightning iterates: one ``LocalBatch`` per item, in this process."""

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,8 @@ class Runtime(Callback):
         self.rollouts = rollouts
         """The learner's training data: rank 0's gets the controller as its source."""
         self._restored: dict[str, Any] | None = None
+        self.flush_weights: Callable[[], None] | None = None
+        """The module's ``publishing.flush`` (set at train start): checkpoints wait for it."""
 
     # ---- Lightning hooks ----
 
@@ -104,6 +106,10 @@ class Runtime(Callback):
         self.rollouts.health = self.check_generators
 
     def state_dict(self) -> dict[str, Any]:
+        """The controller's state for the checkpoint, after the weight writer has published the
+        newest version (its step report then reached the controller: admission matches the step)."""
+        if self.flush_weights is not None:
+            self.flush_weights()
         return {"controller": self.controller.state_dict()} if self.controller is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -113,6 +119,7 @@ class Runtime(Callback):
         if not isinstance(pl_module, LearnerModule):
             raise TypeError(f"Runtime drives a LearnerModule, not a {type(pl_module).__name__}")
         latest = pl_module.publish_current(resumed=trainer.ckpt_path is not None)
+        self.flush_weights = pl_module.publishing.flush if pl_module.publishing is not None else None
         if trainer.global_rank != 0:
             return
         assert self.controller is not None and latest is not None

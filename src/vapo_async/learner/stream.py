@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from vapo_async.algo.advantages import score_responses
 from vapo_async.learner.batching import MinibatchNorms, Plan, make_plan
+from vapo_async.learner.reports import StepReports
 from vapo_async.learner.rollout_stats import rollout_stats
 from vapo_async.transport.batch import RolloutBatch
 from vapo_async.transport.messages import WeightAnnouncement
@@ -62,6 +63,7 @@ class GroupSource(Protocol):
     def mark_trained(self, groups: Sequence[RolloutBatch]) -> None: ...
     def mark_dropped(self, groups: Sequence[RolloutBatch]) -> None: ...
     def step_done(self, ann: WeightAnnouncement | None = None, trained: int | None = None) -> None: ...
+    def announce(self, ann: WeightAnnouncement) -> None: ...
 
 
 class ListSource:
@@ -97,7 +99,10 @@ class ListSource:
     def step_done(self, ann: WeightAnnouncement | None = None, trained: int | None = None) -> None:
         self.steps += 1
         if ann is not None:
-            self.version = ann.version
+            self.announce(ann)
+
+    def announce(self, ann: WeightAnnouncement) -> None:
+        self.version = ann.version
 
 
 @dataclass
@@ -182,6 +187,8 @@ class RolloutStream:
         self.world = world
         self.device = device
         self._pending: list[RolloutBatch] = []
+        self.reports: StepReports | None = None
+        """Rank 0: step reports waiting for their version's announcement (made on first use)."""
         self.health = health
         """Called while waiting for rollouts; raises when no rollouts can come (dead generators)."""
         self.stop = stop
@@ -272,9 +279,10 @@ class RolloutStream:
         if self.stop is not None and self.stop():
             raise StopRequested("stop requested")
 
-    def finish(self, ann: WeightAnnouncement | None) -> None:
-        """Rank 0, after the step: the batch's groups were trained; admission may advance (and,
-        with ``ann``, new leases require the new version). Other ranks: no-op."""
+    def finish(self, needs_version: int | None) -> None:
+        """Rank 0, after the step: the batch's groups were trained; the step is reported done
+        (admission advances) once ``needs_version``, the version it made (None: none), is
+        announced (``learner/reports.py``). Other ranks: no-op."""
         if self.rank != 0:
             return
         assert self.source is not None
@@ -282,7 +290,19 @@ class RolloutStream:
         if self._pending:
             self.source.mark_trained(self._pending)
         self._pending = []
-        self.source.step_done(ann, trained)
+        self._reports().add(needs_version, trained)
+
+    def published(self, ann: WeightAnnouncement) -> None:
+        """Rank 0, from the weight writer: version ``ann.version`` is complete; announce it and
+        release the step reports that waited for it."""
+        if self.rank == 0:
+            self._reports().published(ann)
+
+    def _reports(self) -> StepReports:
+        assert self.source is not None
+        if self.reports is None:
+            self.reports = StepReports(self.source, announced=-1)
+        return self.reports
 
     # ---- tensor transport ----
 

@@ -7,8 +7,9 @@
 - ``config``: ``TransportConfig`` / ``CurveConfig``; ``sockets``: socket set-up, CURVE, back-pressure;
   ``keys``: CURVE key files (``python -m vapo_async.transport.keys``).
 - ``client``: ``ControllerClient``, the generator's end of the link.
-- ``weights``: ``WeightPublisher`` (versioned safetensors directories), ``verify_weights_dir``;
-  ``safetensors_io``: streaming writer; ``fetch``: chunked, resumable weight download.
+- ``weights``: the versioned safetensors directory layout, its manifest, ``verify_weights_dir``;
+  ``publisher``: writing versions (``finish_version``, ``WeightPublisher``); ``safetensors_io``:
+  one-pass writer and file layouts; ``digest``: xxh3_128 / sha256; ``fetch``: chunked, resumable download.
 - ``synthetic``: random groups and a scripted generator (tests, benchmarks, learner stand-ins);
   ``fuzz``: malformed-message generator.
 

@@ -299,7 +299,7 @@ class ControllerClient:
 
     def fetch_weights(self, ann: WeightAnnouncement, dest_dir: Path) -> Path:
         """Fetch ``ann``'s files over the ROUTER in chunks into ``dest_dir/v{version:08d}``
-        (resumable from a partial earlier attempt, sha256-verified). Messages that arrive
+        (resumable from a partial earlier attempt, every file checked against its manifest digest). Messages that arrive
         meanwhile are kept for the next ``poll()``."""
         return fetch_weights(self._send, self._recv_chunk, ann, Path(dest_dir), self.cfg)
 

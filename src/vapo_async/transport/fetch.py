@@ -5,8 +5,10 @@ Protocol: ``fetch{version, file, offset, length}`` -> ``chunk{version, file, off
 Files land in ``dest/.part-v{version:08d}/`` and are appended strictly in order (out-of-order chunks
 wait in memory, at most ``fetch_window`` of them), so a partial file is always a valid prefix and a
 later attempt resumes from its size. MANIFEST.json comes first and must hash to the announced
-checksum; every other file must match the manifest's size and sha256. Only then is the directory
-renamed to ``dest/v{version:08d}`` and verified like a shared-filesystem one.
+checksum; every other file must match the manifest's size and digest, computed as the chunks are
+appended (one pass; a resumed file's prefix is hashed once when the attempt starts). Only then is
+the directory renamed to ``dest/v{version:08d}`` and checked like a shared-filesystem one (its
+layout; the digests were just computed).
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vapo_async.transport.config import TransportConfig
+from vapo_async.transport.digest import BLOCK, Hasher, new_hasher
 from vapo_async.transport.messages import Chunk, ErrorReply, Fetch, WeightAnnouncement
 from vapo_async.transport.weights import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     WeightsError,
     parse_manifest,
-    sha256_file,
     verify_weights_dir,
     version_dir_name,
 )
@@ -48,23 +50,22 @@ def fetch_weights(send: Send, recv: RecvChunk, ann: WeightAnnouncement, dest: Pa
     part = dest / f".part-{version_dir_name(ann.version)}"
     part.mkdir(parents=True, exist_ok=True)
     fetcher = _FileFetcher(send, recv, ann.version, cfg)
-    fetcher.fetch(MANIFEST, part / MANIFEST, None)
+    fetcher.fetch(MANIFEST, part / MANIFEST, None, "sha256")
     if (part / MANIFEST).stat().st_size > MAX_MANIFEST_BYTES:
         raise WeightsError("manifest", "fetched MANIFEST.json is too large")
     try:
-        files = parse_manifest((part / MANIFEST).read_bytes(), ann, cfg.limits)
+        files, algo = parse_manifest((part / MANIFEST).read_bytes(), ann, cfg.limits)
     except WeightsError:
         (part / MANIFEST).unlink()
         raise
     for name, (size, digest) in files.items():
-        fetcher.fetch(name, part / name, size)
-        if sha256_file(part / name) != digest:
+        if fetcher.fetch(name, part / name, size, algo) != digest:
             (part / name).unlink()
-            raise WeightsError("checksum", f"fetched {name} of version {ann.version} does not match its sha256")
+            raise WeightsError("checksum", f"fetched {name} of version {ann.version} does not match its {algo}")
     for extra in set(os.listdir(part)) - set(files) - {MANIFEST}:
         (part / extra).unlink()
     os.rename(part, final)
-    return verify_weights_dir(final, dest, ann, cfg.limits)
+    return verify_weights_dir(final, dest, ann, cfg.limits, digests=False)
 
 
 class _FileFetcher:
@@ -77,18 +78,24 @@ class _FileFetcher:
         self.cfg = cfg
         self.retry_s = max(0.5, cfg.fetch_timeout_s / 4)
 
-    def fetch(self, name: str, path: Path, size: int | None) -> None:
+    def fetch(self, name: str, path: Path, size: int | None, algo: str) -> str:
         """Append the missing tail of ``name`` to ``path`` until it has ``size`` bytes
-        (``size=None``: learn it from the first reply)."""
+        (``size=None``: learn it from the first reply); returns the whole file's ``algo`` digest."""
         if size is not None and path.exists() and path.stat().st_size > size:
             path.unlink()  # longer than the real file: not a prefix of it
-        with open(path, "ab") as f:
+        h = new_hasher(algo)
+        with open(path, "a+b") as f:
             have = f.tell()
-            self._loop(name, f, have, size)
+            f.seek(0)
+            while piece := f.read(min(BLOCK, have - f.tell())):
+                h.update(piece)
+            f.seek(have)
+            self._loop(name, f, h, have, size)
             f.flush()
             os.fsync(f.fileno())
+        return h.hexdigest()
 
-    def _loop(self, name: str, f, have: int, size: int | None) -> None:  # f: BinaryIO
+    def _loop(self, name: str, f, h: Hasher, have: int, size: int | None) -> None:  # f: BinaryIO
         chunk = self.cfg.fetch_chunk_bytes
         ahead: dict[int, bytes] = {}
         requested: dict[int, float] = {}
@@ -129,6 +136,7 @@ class _FileFetcher:
                 if not data and have < size:
                     raise WeightsError("fetch_range", f"empty chunk of {name} at {have} < {size}")
                 f.write(data)
+                h.update(data)
                 have += len(data)
                 last_progress = now
             if have > size:

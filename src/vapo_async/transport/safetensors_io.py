@@ -1,22 +1,29 @@
-"""Streaming safetensors writer: tensor bytes go straight to the file and the sha256 in one pass.
+"""Safetensors files written in one pass (bytes to the file and to the checksum together), and their layout.
 
 The format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N,
 N bytes of JSON ``{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}``
 padded with spaces to a multiple of 8, then the concatenated raw tensor bytes. Writing it here
 instead of ``safetensors.torch.save_file`` avoids a second pass to hash the file and accepts tensors
-that share storage (tied embeddings are written twice, which every loader accepts). Readers are
+that share storage (tied embeddings are written twice, which every loader accepts). ``plan_files``
+lays out a version before its bytes exist, so the learner gathers each tensor straight into its
+place in a reused buffer (``learner/snapshot.py``) and ``write_image`` writes that buffer as is. Readers are
 the reference library (tested for parity).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import math
 import os
 import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
+
+from vapo_async.transport.digest import BLOCK, DEFAULT_HASH, new_hasher
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -33,57 +40,133 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _header(tensors: dict[str, torch.Tensor]) -> bytes:
-    entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: its bytes lie at ``[begin, end)`` after the header."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """A safetensors file before its bytes exist: the header and every tensor's place after it.
+    Whoever fills a flat buffer of ``data_bytes`` at these offsets has the file's body."""
+
+    name: str
+    """File name (``model.safetensors`` or ``model-0000k-of-0000n.safetensors``)."""
+    rank: int
+    """The learner rank that gathers and writes this file."""
+    header: bytes
+    entries: tuple[TensorEntry, ...]
+    data_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return len(self.header) + self.data_bytes
+
+
+TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
+"""(name, dtype in the file, shape) of one tensor."""
+
+
+def _layout(name: str, rank: int, specs: Sequence[TensorSpec]) -> FileLayout:
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    entries = []
     offset = 0
-    for name, t in tensors.items():
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
-        n = tensor_nbytes(t)
-        entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+    for tname, dtype, shape in specs:
+        if dtype not in _DTYPES:
+            raise TypeError(f"tensor {tname!r} has dtype {dtype}, which safetensors cannot store")
+        n = math.prod(shape) * dtype.itemsize
+        header[tname] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        entries.append(TensorEntry(tname, dtype, tuple(shape), offset, offset + n))
         offset += n
-    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+    return FileLayout(name, rank, struct.pack("<Q", len(raw)) + raw, tuple(entries), offset)
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
-    """Write ``tensors`` (CPU) to ``path``, fsync it, and return (bytes written, sha256 hex)."""
-    digest = hashlib.sha256()
-    header = _header(tensors)
-    written = 0
-    with open(path, "wb") as f:
-        for chunk in _chunks(header, tensors):
-            f.write(chunk)
-            digest.update(chunk)
-            written += chunk.nbytes if isinstance(chunk, memoryview) else len(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    return written, digest.hexdigest()
+def plan_files(specs: Sequence[TensorSpec], ranks: int = 1, shard_bytes: int = 4 << 30) -> list[FileLayout]:
+    """The files of one weights version written by ``ranks`` writers: the tensors, in order, cut
+    into ``ranks`` contiguous runs of about equal bytes (each rank gathers and writes its own), each
+    run cut again where a file would pass ``shard_bytes``. One file is ``model.safetensors``,
+    several are Hugging Face shards ``model-0000k-of-0000n.safetensors`` (an index names them).
+    Deterministic: every rank computes the same plan from the same specs."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    sizes = [math.prod(s) * d.itemsize for _, d, s in specs]
+    total = sum(sizes)
+    runs: list[list[int]] = [[] for _ in range(ranks)]
+    acc = 0
+    for i, n in enumerate(sizes):  # tensor i goes to the rank whose equal share holds its middle byte
+        runs[min(ranks - 1, (acc + n // 2) * ranks // max(total, 1))].append(i)
+        acc += n
+    pieces: list[tuple[int, list[int]]] = []
+    for rank, run in enumerate(runs):
+        cur: list[int] = []
+        size = 0
+        for i in run:
+            if cur and size + sizes[i] > shard_bytes:
+                pieces.append((rank, cur))
+                cur, size = [], 0
+            cur.append(i)
+            size += sizes[i]
+        if cur:
+            pieces.append((rank, cur))
+    n = len(pieces)
+    names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    return [_layout(name, rank, [specs[i] for i in idx]) for name, (rank, idx) in zip(names, pieces, strict=True)]
 
 
-def _chunks(header: bytes, tensors: dict[str, torch.Tensor]):  # -> Iterator[bytes | memoryview]
-    yield header
+def write_image(path: Path, header: bytes, body: memoryview, algo: str, fsync: bool = True) -> tuple[int, str]:
+    """Write ``header`` + ``body`` (a flat byte view) to ``path`` and return (bytes, hex digest):
+    each block is hashed right after it is written, while it is still in cache (one pass)."""
+    h = new_hasher(algo)
+    with open(path, "wb", buffering=0) as f:
+        for piece in (memoryview(header), body):
+            for lo in range(0, len(piece), BLOCK):
+                block = piece[lo:lo + BLOCK]
+                _write_all(f, block)
+                h.update(block)
+        if fsync:
+            os.fsync(f.fileno())
+    return len(header) + len(body), h.hexdigest()
+
+
+def _write_all(f: BinaryIO, data: memoryview) -> None:
+    while len(data):
+        n = f.write(data)
+        if n is None or n <= 0:
+            raise OSError(f"short write to {f.name}")
+        data = data[n:]
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], algo: str = DEFAULT_HASH,
+                      fsync: bool = True) -> tuple[int, str]:
+    """Write ``tensors`` (CPU) to ``path`` tensor by tensor (no copy of the whole file) and
+    return (bytes written, hex digest with ``algo``)."""
+    layout = _layout(Path(path).name, 0, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()])
+    h = new_hasher(algo)
+    with open(path, "wb", buffering=0) as f:
+        for chunk in _chunks(layout.header, tensors):
+            _write_all(f, chunk)
+            h.update(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return layout.total_bytes, h.hexdigest()
+
+
+def _chunks(header: bytes, tensors: dict[str, torch.Tensor]) -> Iterator[memoryview]:
+    yield memoryview(header)
     for name, t in tensors.items():
         if t.device.type != "cpu":
             raise ValueError(f"tensor {name!r} is on {t.device}: move the state dict to CPU first")
         flat = t.detach().contiguous().reshape(-1)
         if flat.numel():
             yield memoryview(flat.view(torch.uint8).numpy())
-
-
-def plan_shards(tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """Split ``tensors`` (in order) into shards of at most ``shard_bytes`` (a bigger tensor gets its own)."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        n = tensor_nbytes(t)
-        if shards[-1] and size + n > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += n
-    return shards
 
 
 MAX_HEADER_BYTES = 100 << 20
