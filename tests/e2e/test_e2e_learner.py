@@ -75,12 +75,15 @@ def test_fsdp_learner_with_generator_runs_and_resumes(tiny_model_dir, tmp_path):
         "data.n_train=64", "data.n_eval=8", f"controller.transport.endpoint=ipc://{tmp_path}/ctl",
         "checkpoint.every_n_steps=1", "checkpoint.keep_weights=5", "trainer.enable_progress_bar=false",
         "logging.histograms_every_n_steps=1", "logging.text_every_n_steps=1", "generators.max_prompts=4",
+        "generators.overrides=['engine.multiprocessing=false']",  # an in-process engine core starts 16 s sooner
     ]
     first = _learner(run_dir, [*common, "trainer.max_steps=3"])
     assert first.returncode == 0, first.stderr[-4000:]
     assert f"tensorboard --logdir {run_dir / 'tb'}" in first.stdout
-    for v in (1, 2, 3):
-        assert (run_dir / "weights" / f"v{v:08d}" / "model.safetensors").is_file()
+    for v in (1, 2, 3):  # each of the 2 ranks wrote its shard; eta = 0: no version skipped
+        d = run_dir / "weights" / f"v{v:08d}"
+        assert sorted(p.name for p in d.glob("*.safetensors")) == [f"model-0000{k}-of-00002.safetensors" for k in (1, 2)]
+        assert (d / "model.safetensors.index.json").is_file()
     scalars = _scalars(run_dir / "tb")
     missing = [t for t in REQUIRED_TAGS if t not in scalars]
     assert not missing, f"TensorBoard lacks {missing}"
@@ -127,7 +130,7 @@ def test_fsdp_learner_with_generator_runs_and_resumes(tiny_model_dir, tmp_path):
     assert scalars["eval/version"][4] == 4.0
     final = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     assert final["global_step"] == 4 and final["vapo"]["version"] == 4
-    assert (run_dir / "weights" / "v00000004" / "model.safetensors").is_file()
+    assert (run_dir / "weights" / "v00000004" / "model.safetensors.index.json").is_file()
 
 
 def test_a_bf16_generator_shows_as_mismatch(tiny_model_dir, tmp_path):
@@ -142,7 +145,8 @@ def test_a_bf16_generator_shows_as_mismatch(tiny_model_dir, tmp_path):
         "algo.warmup_steps=0", "algo.eta=0", "sampling.max_tokens=16", "eval.every_n_steps=0",
         "data.n_train=64", "data.n_eval=8", f"controller.transport.endpoint=ipc://{tmp_path}/ctl",
         "trainer.max_steps=2", "trainer.enable_progress_bar=false", "generators.max_prompts=4",
-        "generators.overrides=['engine.dtype=bfloat16']", "logging.mismatch_warn_kl=1e-8"])
+        "generators.overrides=['engine.dtype=bfloat16','engine.multiprocessing=false']",
+        "logging.mismatch_warn_kl=1e-8"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     scalars = _scalars(run_dir / "tb")
     for step in (1, 2):

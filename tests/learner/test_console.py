@@ -131,6 +131,7 @@ def test_sweep_runs_two_jobs_in_one_process_with_a_quiet_console(tiny_model_dir,
         "eval.n_prompts=4", "eval.samples=2", "data.n_train=64", "data.n_eval=8", "checkpoint.every_n_steps=0",
         "generators.max_prompts=4", f"controller.transport.endpoint=tcp://127.0.0.1:{port}",
         f"hydra.sweep.dir={sweep}",
+        "generators.overrides=['engine.multiprocessing=false']",  # starts in 11 s, not 27: the eval engine is the subject
     ]
     proc = subprocess.run([sys.executable, "-m", "vapo_async.learner", "-m", *overrides, "trainer.max_steps=1,2"],
                           env=_env(), capture_output=True, text=True, timeout=500)
