@@ -235,3 +235,41 @@ def test_actor_entropy_bonus_and_kl_terms_by_hand(models):
             n += r
     assert n == int(mask.sum()) and k3_sum > 0
     torch.testing.assert_close(float(total - base), -0.01 * h_sum / n + 0.1 * k3_sum / n, rtol=1e-4, atol=1e-6)
+
+
+def test_chunked_logprobs_equal_full_logits_at_a_32k_vocabulary():
+    """``actor_logprobs`` (hidden states -> log-probs and entropy in chunks of 7 tokens, no (b, Tr, V)
+    tensor) against the full-logits path on the same padded micro-batch, values and gradients of
+    every parameter, on a random Qwen2 with a 32,768-word vocabulary (tied output embedding)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from vapo_async.algo.stats import entropy_from_logits, gather_logprobs
+    from vapo_async.learner.models import actor_logprobs
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=32768, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    actor = Qwen2ForCausalLM(cfg).float()
+    seqs = RolloutBatch.concat(make_groups(2, 4, vocab=300, seed=3))
+    mb = collate(seqs, list(range(seqs.n_responses)), pad_id=0)
+    mask = mb.resp_mask
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
+
+    def run(fn):
+        actor.zero_grad()
+        logp, ent = fn()
+        ((a * logp + b * ent) * mask).sum().backward()
+        return logp.detach() * mask, ent.detach() * mask, [p.grad.clone() for p in actor.parameters()]
+
+    def full():
+        logits = actor(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits.float() / TEMPERATURE
+        picked = logits.gather(1, mb.resp_index[:, :, None].expand(-1, -1, logits.shape[-1]))  # (b, Tr, V)
+        return gather_logprobs(picked, mb.response_ids), entropy_from_logits(picked)
+
+    ref = run(full)
+    got = run(lambda: actor_logprobs(actor, mb, TEMPERATURE, chunk=7))
+    for name, r, x in (("logp", ref[0], got[0]), ("entropy", ref[1], got[1])):
+        torch.testing.assert_close(x, r, rtol=1e-5, atol=1e-5 * r.abs().max().item(), msg=name)
+    for (pname, _), r, x in zip(actor.named_parameters(), ref[2], got[2], strict=True):
+        assert (x - r).abs().max() <= 1e-5 * r.abs().max() + 1e-9, pname

@@ -251,3 +251,41 @@ def test_resolve_weights_pins_hard_links_and_verifies_them(tmp_path: Path, tiny_
     finally:
         client.close()
         pub.close()
+
+
+def test_plan_files_cuts_by_rank_then_by_size() -> None:
+    f32 = torch.float32
+    # 6 tensors of 400 bytes (100 fp32 each) = 2400 bytes; 2 ranks hold 1200 bytes each
+    specs = [(f"t{i}", f32, (100,)) for i in range(6)]
+    plan = safetensors_io.plan_files(specs, ranks=2, shard_bytes=1 << 20)
+    assert [(f.name, f.rank, [e.name for e in f.entries]) for f in plan] == [
+        ("model-00001-of-00002.safetensors", 0, ["t0", "t1", "t2"]),
+        ("model-00002-of-00002.safetensors", 1, ["t3", "t4", "t5"])]
+    # each rank's run cut again at 800 bytes: 2 tensors per file
+    plan = safetensors_io.plan_files(specs, ranks=2, shard_bytes=800)
+    assert [(f.rank, len(f.entries)) for f in plan] == [(0, 2), (0, 1), (1, 2), (1, 1)]
+    assert plan[-1].name == "model-00004-of-00004.safetensors"
+    assert safetensors_io.plan_files(specs, ranks=1)[0].name == "model.safetensors"
+    # offsets follow the header: data_offsets of t1 are [400, 800] in its file
+    f = safetensors_io.plan_files(specs, ranks=1)[0]
+    assert [(e.begin, e.end) for e in f.entries[:2]] == [(0, 400), (400, 800)] and f.data_bytes == 2400
+    assert len(f.header) % 8 == 0 and f.total_bytes == len(f.header) + 2400
+
+
+def test_a_format_1_manifest_is_still_verified(published) -> None:
+    """Directories written before issue 18 (sha256 digests under the key ``sha256``) still load."""
+    import hashlib
+
+    root, ann = published
+    d = Path(ann.path)
+    files = {n: {"bytes": (d / n).stat().st_size, "sha256": hashlib.sha256((d / n).read_bytes()).hexdigest()}
+             for n in ann.files}
+    raw = json.dumps({"format": "vapo_async.weights/1", "version": 1, "files": files}, indent=1, sort_keys=True).encode()
+    (d / MANIFEST).write_bytes(raw)
+    old = WeightAnnouncement(1, ann.path, hashlib.sha256(raw).hexdigest(), ann.bytes, ann.files)
+    assert verify_weights_dir(d, root, old) == d
+    raw_model = bytearray((d / "model.safetensors").read_bytes())
+    raw_model[-3] ^= 1
+    (d / "model.safetensors").write_bytes(bytes(raw_model))
+    with pytest.raises(WeightsError, match="does not match its sha256"):
+        verify_weights_dir(d, root, old)

@@ -10,6 +10,8 @@
   with shard size 1 this is DDP).
 
 Notation: b sequences of a micro-batch, T padded length, Tr padded response length, V vocabulary.
+The actor's log-probs and entropy come from its final hidden states in token chunks
+(``actor_logprobs``): no (b, Tr, V) logits tensor exists in a step.
 
 Departures: VAPO initialises the critic from a reward model; with no reward model (the tiny
 default) it starts from the base model's backbone, as VC-PPO's ablations and most open
@@ -31,6 +33,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from vapo_async.algo.chunked import DEFAULT_CHUNK, logprob_entropy
 from vapo_async.learner.batching import MicroBatch
 
 log = logging.getLogger(__name__)
@@ -114,18 +117,34 @@ def _keep_from(mb: MicroBatch) -> int:
     return max(first, 0)
 
 
-def actor_logits(actor: nn.Module, mb: MicroBatch, temperature: float) -> torch.Tensor:
-    """(b, Tr, V) float32 next-token logits / temperature at the response positions.
+def actor_logprobs(actor: nn.Module, mb: MicroBatch, temperature: float,
+                   chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, Tr) float32 log pi(response token) and (b, Tr) entropy of pi at the response positions,
+    pi = softmax(logits / temperature), without the (b, Tr, V) logits (``algo/chunked.py``).
 
     The behaviour policy sampled from softmax(logits / temperature), so pi_prox and pi_theta use
-    the same scaling (otherwise every ratio would be off by the temperature)."""
+    the same scaling (otherwise every ratio would be off by the temperature). The output layer runs
+    inside the model's own forward (its ``forward`` is swapped for the call), so FSDP2 has gathered
+    its weight there and takes its gradient back as for any layer."""
     start = _keep_from(mb)
-    t = mb.input_ids.shape[1]
-    out = actor(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=t - start)
-    logits = out.logits  # (b, T - start, V): positions start .. T - 1
-    idx = (mb.resp_index - start).clamp(min=0, max=logits.shape[1] - 1)
-    picked = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))
-    return picked.float() / temperature
+    head = actor.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("actor_logprobs: an output layer with a bias is not supported")
+    b, tr = mb.response_ids.shape
+    idx = (mb.resp_index - start).clamp(min=0)  # (b, Tr) rows of the kept positions start .. T - 1
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:  # (b, T - start, H) -> (b, Tr, 2)
+        h = hidden.gather(1, idx[:, :, None].expand(-1, -1, hidden.shape[-1])).reshape(b * tr, -1)
+        logp, ent = logprob_entropy(h, head.weight, mb.response_ids.reshape(-1), temperature, chunk)
+        return torch.stack([logp, ent], dim=-1).view(b, tr, 2)
+
+    head.forward = forward  # an instance attribute: nn.Module.__call__ takes it over the class's
+    try:
+        out = actor(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                    logits_to_keep=mb.input_ids.shape[1] - start)
+    finally:
+        del head.forward
+    return out.logits[..., 0], out.logits[..., 1]
 
 
 def critic_values(critic: nn.Module, mb: MicroBatch) -> torch.Tensor:

@@ -37,9 +37,9 @@ from vapo_async.algo import losses as L
 from vapo_async.algo.advantages import token_advantages
 from vapo_async.algo.mismatch import MISMATCH_KEYS, fresh_tokens, mismatch_metrics, mismatch_sums
 from vapo_async.algo.presets import AlgoConfig
-from vapo_async.algo.stats import entropy_from_logits, gather_logprobs, masked_mean
+from vapo_async.algo.stats import masked_mean
 from vapo_async.learner.batching import MicroBatch, MinibatchNorms
-from vapo_async.learner.models import actor_logits, critic_values
+from vapo_async.learner.models import actor_logprobs, critic_values
 
 Backward = Callable[[torch.Tensor], None]
 
@@ -92,9 +92,9 @@ def recompute(actor: nn.Module, critic: nn.Module | None, mbs: list[MicroBatch],
     micro-batch with the current weights."""
     out = []
     for mb in mbs:
-        logp = gather_logprobs(actor_logits(actor, mb, temperature), mb.response_ids)  # (b, Tr)
+        logp = actor_logprobs(actor, mb, temperature)[0]  # (b, Tr)
         values = critic_values(critic, mb) if critic is not None else None
-        ref_logp = gather_logprobs(actor_logits(ref, mb, temperature), mb.response_ids) if ref is not None else None
+        ref_logp = actor_logprobs(ref, mb, temperature)[0] if ref is not None else None
         out.append(Prepared(mb, logp * mb.resp_mask, None if values is None else values * mb.resp_mask,
                             ref_logp=ref_logp))
     return out
@@ -250,11 +250,10 @@ def actor_micro_loss(actor: nn.Module, p: Prepared, norms: MinibatchNorms, algo:
     """This micro-batch's part of L_PPO + mu * L_NLL (VAPO eq. 7, 10) [- entropy bonus]
     [+ KL to the reference], normalised by the mini-batch's global counts (see ``_normalizer``)."""
     mb, mask = p.mb, p.mask
-    logits = actor_logits(actor, mb, temperature)  # (b, Tr, V), already / temperature
+    logp, entropy_tok = actor_logprobs(actor, mb, temperature)  # (b, Tr) each, no (b, Tr, V) logits
     n_tok = float(mask.sum())
     if n_tok == 0:  # padding micro-batch: keep the collectives, contribute nothing
-        return logits.sum() * 0.0
-    logp = gather_logprobs(logits, mb.response_ids)  # (b, Tr)
+        return logp.sum() * 0.0
     norm = _normalizer(algo.aggregation, norms)
     loss, metrics = L.policy_loss(logp, p.logp_prox, mb.logp_behav, p.advantages, mask,
                                   clip_low=algo.clip_low, clip_high=algo.clip_high, behav_cap=algo.behav_cap,
@@ -262,7 +261,6 @@ def actor_micro_loss(actor: nn.Module, p: Prepared, norms: MinibatchNorms, algo:
     counters.add_metrics("actor", metrics, n_tok)
     counters.add("actor/clip_fraction", metrics["clip_frac"], n_tok)  # the issue's tag name
     counters.add("actor/pg_loss", loss.detach() * norm / _local_count(algo.aggregation, mask), n_tok)
-    entropy_tok = entropy_from_logits(logits)  # (b, Tr)
     counters.add("actor/entropy", masked_mean(entropy_tok, mask).detach(), n_tok)
     if algo.entropy_coef > 0:  # token-level, over the mini-batch's tokens (see _normalizer)
         loss = loss - algo.entropy_coef * L.entropy_bonus(entropy_tok, mask, max(norms.tokens, 1.0) / world_size())
