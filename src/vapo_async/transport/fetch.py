@@ -129,8 +129,8 @@ class _FileFetcher:
             elif msg.size != size:
                 raise WeightsError("size", f"{name}: chunk says size {msg.size}, expected {size}")
             requested.pop(msg.offset, None)
-            if msg.offset >= have and msg.offset not in ahead:
-                ahead[msg.offset] = bytes(msg.data)
+            if msg.offset >= have and msg.offset not in ahead:  # the next chunk is written from the frame itself
+                ahead[msg.offset] = msg.data if msg.offset == have else bytes(msg.data)
             while have in ahead:
                 data = ahead.pop(have)
                 if not data and have < size:
