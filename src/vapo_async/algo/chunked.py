@@ -8,14 +8,14 @@ the backward pass. ``logprob_entropy`` computes, for N tokens,
     log p(y) = z_y - logsumexp(z)      (the sampled token's log-probability, as ``gather_logprobs``)
     H = logsumexp(z) - sum_v p_v z_v   (the entropy, as ``entropy_from_logits``)
 
-and keeps only h, W, y and logsumexp(z) for the backward pass, which recomputes each chunk's
+and keeps only h, W, y, logsumexp(z) and H for the backward pass, which recomputes each chunk's
 logits. With g_l and g_H the incoming gradients of log p(y) and H (p = softmax z, log p = z - lse):
 
     dL/dz_j = g_l (1[j = y] - p_j) - g_H p_j (log p_j + H)
     dL/dh = (dL/dz / T) W,   dL/dW = (dL/dz / T)^T h
 
-(dH/dz_j = -p_j (log p_j + H), from H = -sum_v p_v log p_v.) Memory of this part: chunk x V
-float32 (plus the same for its gradient), whatever N is. Exact to float rounding: the same
+(dH/dz_j = -p_j (log p_j + H), from H = -sum_v p_v log p_v.) Memory of this part: two chunk x V
+float32 tensors at a time (computed in place) and the V x H gradient of W, whatever N is. Exact to float rounding: the same
 float32 arithmetic as the reference, summed in another order.
 """
 
@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-DEFAULT_CHUNK = 1024
-"""Tokens per chunk: 1024 x 151,936 float32 logits = 0.6 GB at Qwen's vocabulary."""
+DEFAULT_CHUNK = 256
+"""Tokens per chunk: 256 x 151,936 float32 = 0.16 GB per (chunk, V) tensor at Qwen's vocabulary
+(two exist at a time), against 5 GB for the logits of 8192 tokens at once."""
 
 
 class _LogProbEntropy(torch.autograd.Function):
@@ -37,12 +38,12 @@ class _LogProbEntropy(torch.autograd.Function):
         logp = hidden.new_empty(n, dtype=dt)
         ent = hidden.new_empty(n, dtype=dt)
         lse = hidden.new_empty(n, dtype=dt)
-        for lo in range(0, n, chunk):
+        for lo in range(0, n, chunk):  # two (chunk, V) tensors at a time: z and p
             hi = min(n, lo + chunk)
-            z = (hidden[lo:hi] @ weight.t()).to(dt) / temperature  # (c, V)
+            z = (hidden[lo:hi] @ weight.t()).to(dt).div_(temperature)  # (c, V)
             lse[lo:hi] = torch.logsumexp(z, dim=-1)
             logp[lo:hi] = z.gather(1, ids[lo:hi, None])[:, 0] - lse[lo:hi]
-            ent[lo:hi] = lse[lo:hi] - (torch.softmax(z, dim=-1) * z).sum(-1)
+            ent[lo:hi] = lse[lo:hi] - torch.softmax(z, dim=-1).mul_(z).sum(-1)
         ctx.save_for_backward(hidden, weight, ids, lse, ent)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp, ent
@@ -50,26 +51,26 @@ class _LogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple:
         hidden, weight, ids, lse, ent = ctx.saved_tensors
-        t, chunk = ctx.temperature, ctx.chunk
-        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        dt = _compute_dtype(hidden)
+        t, chunk, dt = ctx.temperature, ctx.chunk, _compute_dtype(hidden)
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=dt, device=weight.device) if ctx.needs_input_grad[1] else None
-        for lo in range(0, hidden.shape[0], chunk):
+        for lo in range(0, hidden.shape[0], chunk):  # in place: two (chunk, V) tensors at a time
             hi = min(hidden.shape[0], lo + chunk)
-            z = (hidden[lo:hi] @ weight.t()).to(dt) / t  # (c, V), recomputed
-            log_p = z - lse[lo:hi, None]
-            p = log_p.exp()
-            gz = torch.zeros_like(z)
-            if g_logp is not None:
-                gz -= g_logp[lo:hi, None].to(dt) * p
-                gz.scatter_add_(1, ids[lo:hi, None], g_logp[lo:hi, None].to(dt))
-            if g_ent is not None:
-                gz -= g_ent[lo:hi, None].to(dt) * p * (log_p + ent[lo:hi, None])
-            gz = (gz / t).to(hidden.dtype)  # (c, V): d loss / d (h W^T)
+            gz = (hidden[lo:hi] @ weight.t()).to(dt).div_(t).sub_(lse[lo:hi, None])  # log p, recomputed
+            p = gz.exp()
+            if g_ent is not None:  # - g_H p (log p + H)
+                gz.add_(ent[lo:hi, None]).mul_(p).mul_(-g_ent[lo:hi, None].to(dt))
+            else:
+                gz.zero_()
+            if g_logp is not None:  # + g_l (1[j = y] - p)
+                gl = g_logp[lo:hi, None].to(dt)
+                gz.sub_(p.mul_(gl)).scatter_add_(1, ids[lo:hi, None], gl)
+            del p
+            gz = gz.div_(t).to(hidden.dtype)  # (c, V): d loss / d (h W^T)
             if grad_h is not None:
                 grad_h[lo:hi] = gz @ weight
             if grad_w is not None:
-                grad_w += (gz.t() @ hidden[lo:hi]).to(dt)
+                grad_w.addmm_(gz.t().to(dt), hidden[lo:hi].to(dt))
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 
 
