@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -138,7 +139,7 @@ class WeightPublishing:
                 snap = self._spare.pop()
         if snap is None:
             snap = HostSnapshot(self._plan, self.rank, pin=torch.cuda.is_available() and _on_cuda(actor))
-        stall = snap.capture(actor, self._plan, version)
+        stall = snap.capture(actor, self._plan)
         with self._cond:
             self._pending = _Job(version, snap, notify)
             self._cond.notify_all()
@@ -200,8 +201,6 @@ class WeightPublishing:
     def remove_newer(self, version: int) -> list[Path]:
         """Rank 0, on resume: delete versions newer than ``version`` (published after the
         checkpoint, by the run that crashed); the resumed run publishes them again."""
-        import shutil
-
         if self.rank != 0:
             return []
         gone = [p for v, p in published_versions(self.root, complete=False).items() if v > version]

@@ -63,17 +63,12 @@ class HostSnapshot:
         self.files = plan.owned(rank)
         self.buffers = {f.name: torch.empty(f.data_bytes, dtype=torch.uint8, pin_memory=pin) for f in self.files}
         self._slots = {e.name: (self.buffers[f.name], e) for f in self.files for e in f.entries}
-        self.version = -1
-        """The version these buffers hold (-1: none yet)."""
-
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers.values())
 
     def body(self, name: str) -> memoryview:
         """The bytes of file ``name`` after its header."""
         return memoryview(self.buffers[name].numpy()).cast("B")
 
-    def capture(self, model: nn.Module, plan: SnapshotPlan, version: int) -> float:
+    def capture(self, model: nn.Module, plan: SnapshotPlan) -> float:
         """Collective under FSDP2 (every rank calls it at the same point): copy ``model``'s
         weights into this rank's buffers; returns the seconds it took (the training thread's stall)."""
         from torch.distributed.tensor import DTensor
@@ -96,5 +91,4 @@ class HostSnapshot:
             cuda = cuda or t.is_cuda
         if cuda:
             torch.cuda.current_stream().synchronize()  # the writer reads the buffers next
-        self.version = version
         return time.perf_counter() - t0

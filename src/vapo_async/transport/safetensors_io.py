@@ -16,7 +16,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -122,18 +122,33 @@ def plan_files(specs: Sequence[TensorSpec], ranks: int = 1, shard_bytes: int = 4
 
 
 def write_image(path: Path, header: bytes, body: memoryview, algo: str, fsync: bool = True) -> tuple[int, str]:
-    """Write ``header`` + ``body`` (a flat byte view) to ``path`` and return (bytes, hex digest):
-    each block is hashed right after it is written, while it is still in cache (one pass)."""
+    """Write ``header`` + ``body`` (a flat byte view) to ``path`` and return (bytes, hex digest)."""
+    return _write_hashed(path, (memoryview(header), body), algo, fsync)
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], algo: str = DEFAULT_HASH,
+                      fsync: bool = True) -> tuple[int, str]:
+    """Write ``tensors`` (CPU) to ``path`` tensor by tensor (no copy of the whole file) and
+    return (bytes written, hex digest with ``algo``)."""
+    layout = _layout(Path(path).name, 0, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()])
+    return _write_hashed(path, _chunks(layout.header, tensors), algo, fsync)
+
+
+def _write_hashed(path: Path, pieces: Iterable[memoryview], algo: str, fsync: bool) -> tuple[int, str]:
+    """Write ``pieces`` to ``path`` in blocks, each hashed right after it is written, while it is
+    still in cache (one pass); returns (bytes, hex digest)."""
     h = new_hasher(algo)
+    written = 0
     with open(path, "wb", buffering=0) as f:
-        for piece in (memoryview(header), body):
+        for piece in pieces:
             for lo in range(0, len(piece), BLOCK):
                 block = piece[lo:lo + BLOCK]
                 _write_all(f, block)
                 h.update(block)
+                written += len(block)
         if fsync:
             os.fsync(f.fileno())
-    return len(header) + len(body), h.hexdigest()
+    return written, h.hexdigest()
 
 
 def _write_all(f: BinaryIO, data: memoryview) -> None:
@@ -142,21 +157,6 @@ def _write_all(f: BinaryIO, data: memoryview) -> None:
         if n is None or n <= 0:
             raise OSError(f"short write to {f.name}")
         data = data[n:]
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], algo: str = DEFAULT_HASH,
-                      fsync: bool = True) -> tuple[int, str]:
-    """Write ``tensors`` (CPU) to ``path`` tensor by tensor (no copy of the whole file) and
-    return (bytes written, hex digest with ``algo``)."""
-    layout = _layout(Path(path).name, 0, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()])
-    h = new_hasher(algo)
-    with open(path, "wb", buffering=0) as f:
-        for chunk in _chunks(layout.header, tensors):
-            _write_all(f, chunk)
-            h.update(chunk)
-        if fsync:
-            os.fsync(f.fileno())
-    return layout.total_bytes, h.hexdigest()
 
 
 def _chunks(header: bytes, tensors: dict[str, torch.Tensor]) -> Iterator[memoryview]:
