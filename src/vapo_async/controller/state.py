@@ -29,6 +29,7 @@ from vapo_async.controller.config import ControllerConfig
 from vapo_async.controller.items import LIVE_STATES
 from vapo_async.controller.leases import LeaseRecord, Ledger
 from vapo_async.controller.order import PromptOrder
+from vapo_async.controller.relay import RelayChains
 from vapo_async.controller.sessions import Session, Sessions
 from vapo_async.controller.stats import TransportStats
 from vapo_async.transport.messages import (
@@ -41,6 +42,8 @@ from vapo_async.transport.messages import (
     Hello,
     Lease,
     LeasePrompt,
+    RelayJoin,
+    RelayPeer,
     Request,
     RolloutBatch,
     WeightAnnouncement,
@@ -73,7 +76,7 @@ class Outgoing:
     """One reply: ``msg`` for the generator whose routing id is ``to``."""
 
     to: bytes
-    msg: Welcome | Lease | Ack | ErrorReply | ReadChunk
+    msg: Welcome | Lease | Ack | ErrorReply | RelayPeer | ReadChunk
 
     @property
     def lease_id(self) -> int | None:
@@ -106,6 +109,7 @@ class ControllerState:
         self.latest: WeightAnnouncement | None = None
         self.announcements: OrderedDict[int, WeightAnnouncement] = OrderedDict()
         self.buffer: deque[RolloutBatch] = deque()
+        self.relay = RelayChains()
 
     # ---- generator events ----
 
@@ -132,6 +136,8 @@ class ControllerState:
             log.info("generator %s left (%d leases re-issued)", s.generator_id, n)
         elif isinstance(msg, Fetch):
             return [Outgoing(sender, self._on_fetch(msg))]
+        elif isinstance(msg, RelayJoin):
+            return [Outgoing(sender, self._on_relay_join(sender, msg))]
         elif isinstance(msg, RolloutBatch):
             return [Outgoing(sender, self._on_group(s, msg, now))]
         elif not isinstance(msg, Heartbeat):
@@ -221,6 +227,13 @@ class ControllerState:
             self.stats.counts["fetch_errors"] += 1
             return ErrorReply("fetch_unknown_version", f"version {msg.version} is not served")
         return ReadChunk(ann, msg)
+
+    def _on_relay_join(self, sender: bytes, msg: RelayJoin) -> RelayPeer:
+        peer = self.relay.join(sender, msg, lambda ident: self.sessions.get(ident) is not None, self.announcements)
+        self.stats.counts["relay_joins"] += 1
+        if peer.address:
+            self.stats.counts["relay_peer_assigned"] += 1
+        return peer
 
     def _reject(self, sender: bytes, reason: str, detail: str, now: float) -> None:
         s = self.sessions.get(sender)

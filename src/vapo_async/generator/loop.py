@@ -45,6 +45,7 @@ from vapo_async.common.sampling import GroupSamplingConfig, request_seed
 from vapo_async.generator.engine import Completion, Engine
 from vapo_async.generator.sync import WeightSync
 from vapo_async.rewards import Score
+from vapo_async.transport.fetch import FetchStats
 from vapo_async.transport.messages import (
     Ack,
     ErrorReply,
@@ -64,6 +65,7 @@ class Client(Protocol):
 
     generator_id: str
     version: int
+    fetch_stats: FetchStats
 
     def request(self, credit: int) -> None: ...
     def poll(self, timeout_ms: int) -> list[Lease | WeightAnnouncement | Ack | ErrorReply | Welcome]: ...
@@ -336,6 +338,9 @@ class GeneratorLoop:
             "generator/leases_handed_back": float(self.stats.leases_handed_back),
             "generator/reload_pause_s": w.last_pause_s,
             "generator/in_flight": float(len(self.in_flight)),
+            "generator/fetch_controller_bytes": float(self.client.fetch_stats.controller_bytes),
+            "generator/fetch_peer_bytes": float(self.client.fetch_stats.peer_bytes),
+            "generator/relay_fallbacks": float(sum(self.client.fetch_stats.fallbacks.values())),
         }
 
     def maybe_log(self) -> None:

@@ -47,7 +47,7 @@ from pathlib import Path
 import zmq
 
 from vapo_async.transport.config import TransportConfig
-from vapo_async.transport.fetch import fetch_weights
+from vapo_async.transport.fetch import FetchStats, Peer, fetch_weights
 from vapo_async.transport.messages import (
     Ack,
     Bye,
@@ -58,6 +58,8 @@ from vapo_async.transport.messages import (
     Hello,
     Lease,
     MessageError,
+    RelayJoin,
+    RelayPeer,
     Request,
     RolloutBatch,
     WeightAnnouncement,
@@ -67,6 +69,7 @@ from vapo_async.transport.messages import (
     decode_from_controller,
     encode_group,
 )
+from vapo_async.transport.relay import PeerLink, RelayServer
 from vapo_async.transport.sockets import ClientSockets
 from vapo_async.transport.weights import (
     WeightsError,
@@ -111,6 +114,10 @@ class ControllerClient:
         self._inbox: deque[FromController | WeightAnnouncement] = deque()
         self._leases: deque[int] = deque(maxlen=100_000)
         self._last_send = 0.0
+        self.fetch_stats = FetchStats()
+        """Where fetched weight bytes came from (controller, relay peer) and relay fallbacks."""
+        self.relay: RelayServer | None = None
+        """This generator's weight relay server (started by its first fetch)."""
 
     # ---- session ----
 
@@ -181,7 +188,9 @@ class ControllerClient:
             log.warning("bye not sent (queue full); the lease deadlines will re-issue the work")
 
     def close(self) -> None:
-        """Close the sockets (queued messages get up to 1 s to leave)."""
+        """Close the sockets (queued messages get up to 1 s to leave) and the relay server."""
+        if self.relay is not None:
+            self.relay.close()
         self._sockets.close()
         if self._own_ctx:
             self._ctx.term()
@@ -208,8 +217,8 @@ class ControllerClient:
         return min(self.cfg.heartbeat_s, told) if told else self.cfg.heartbeat_s
 
     def _route(self, msg: FromController | WeightAnnouncement, out: list[Message]) -> None:
-        if isinstance(msg, Chunk):
-            return  # a late chunk of a finished fetch
+        if isinstance(msg, Chunk | RelayPeer):
+            return  # a late chunk of a finished fetch, a late answer to a relay join
         if isinstance(msg, ErrorReply) and msg.reason == "unknown_session":
             log.info("controller does not know session %s (restarted?): saying hello again", self.session)
             self._send(Hello(self.generator_id, self.session, self.max_prompts, self.version).to_frames())
@@ -298,10 +307,56 @@ class ControllerClient:
         return verify_weights_dir(path, root, ann, self.cfg.limits)
 
     def fetch_weights(self, ann: WeightAnnouncement, dest_dir: Path) -> Path:
-        """Fetch ``ann``'s files over the ROUTER in chunks into ``dest_dir/v{version:08d}``
-        (resumable from a partial earlier attempt, every file checked against its manifest digest). Messages that arrive
-        meanwhile are kept for the next ``poll()``."""
-        return fetch_weights(self._send, self._recv_chunk, ann, Path(dest_dir), self.cfg)
+        """Fetch ``ann``'s files in chunks into ``dest_dir/v{version:08d}`` (resumable from a partial
+        earlier attempt, every file checked against its manifest digest): the manifest from the
+        controller, the other files from the relay peer the controller names (``relay.py``), or
+        from the controller. Messages that arrive meanwhile are kept for the next ``poll()``."""
+        dest = Path(dest_dir)
+        server = self._relay_server(dest)
+        if server is not None:
+            server.expect(ann.version)  # a generator after this one may ask before the manifest is here
+        link = None if server is None else self._relay_peer(ann, server)
+        try:
+            peer = None if link is None else Peer(link.send, link.recv, link.address)
+            return fetch_weights(self._send, self._recv_chunk, ann, dest, self.cfg, peer,
+                                 None if server is None else server.serve, self.fetch_stats)
+        except BaseException:
+            if server is not None:
+                server.forget(ann.version)
+            raise
+        finally:
+            if link is not None:
+                link.close()
+
+    def _relay_server(self, dest: Path) -> RelayServer | None:
+        """This generator's relay server over ``dest`` (started now if needed), or None when off."""
+        if not self.cfg.relay.enabled:
+            return None
+        if self.relay is not None:
+            self.relay.check()
+            if self.relay.cache_dir == dest:
+                return self.relay
+            self.relay.close()
+        self.relay = RelayServer(self.cfg, dest)
+        return self.relay
+
+    def _relay_peer(self, ann: WeightAnnouncement, server: RelayServer) -> PeerLink | None:
+        """Join ``ann``'s relay chain; a link to the peer to fetch from, or None (the controller).
+        A controller that does not answer within ``relay.stall_s`` is taken as "from me"."""
+        self._send(RelayJoin(ann.version, server.address, server.public_key).to_frames())
+        deadline = time.monotonic() + self.cfg.relay.stall_s
+        while (left := deadline - time.monotonic()) > 0:
+            msg = self._recv_one(int(left * 1000) + 1)
+            if isinstance(msg, RelayPeer) and msg.version == ann.version:
+                if not msg.address:
+                    return None
+                log.info("fetching version %d from relay peer %s (mine: %s)", ann.version, msg.address, server.address)
+                return PeerLink(self.cfg, self._ctx, msg.address, msg.public_key)
+            if msg is not None and not isinstance(msg, Chunk | RelayPeer):
+                self._inbox.append(msg)
+        log.warning("no relay_peer answer for version %d within %.0f s: fetching from the controller",
+                    ann.version, self.cfg.relay.stall_s)
+        return None
 
     def _recv_chunk(self, timeout_ms: int) -> Chunk | ErrorReply | None:
         msg = self._recv_one(timeout_ms)

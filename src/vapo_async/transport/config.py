@@ -36,6 +36,32 @@ class CurveConfig:
 
 
 @dataclass
+class RelayConfig:
+    """Generator side: the weight relay between generators that fetch (no shared filesystem).
+
+    A generator fetching a version serves the bytes it already has to the next fetching generator,
+    which the controller names (a chain in the order they asked): each byte leaves the learner once
+    whatever the number of generators. A peer that stalls or sends bad bytes is left for the
+    controller (the repair path)."""
+
+    enabled: bool = True
+    """Take part in the relay; false = every fetch goes to the controller."""
+    host: str | None = None
+    """Address other generators reach this one at; None = the local address this machine uses to
+    reach the controller (127.0.0.1 when the controller is on loopback or ipc)."""
+    port: int = 0
+    """TCP port of this generator's relay server; 0 = any free port (it is told to the controller)."""
+    stall_s: float = 10.0
+    """Leave a peer for the controller when it sent no new byte for this long."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"transport.relay.port must be 0-65535, got {self.port}")
+        if self.stall_s <= 0:
+            raise ValueError(f"transport.relay.stall_s must be > 0, got {self.stall_s}")
+
+
+@dataclass
 class TransportConfig:
     """Addresses, security, queue bounds and timing of the controller <-> generator link."""
 
@@ -65,6 +91,8 @@ class TransportConfig:
     """Chunk requests kept in flight during a fetch (pipelining)."""
     fetch_timeout_s: float = 30.0
     """A fetch fails when no chunk arrives for this long (after retries)."""
+    relay: RelayConfig = field(default_factory=RelayConfig)
+    """Generator-side: the weight relay between fetching generators."""
     weights_root: str | None = None
     """Generator-side: trusted weights root; None = the root named in the controller's welcome."""
     limits: MessageLimits = field(default_factory=MessageLimits)

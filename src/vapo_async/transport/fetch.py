@@ -9,6 +9,11 @@ checksum; every other file must match the manifest's size and digest, computed a
 appended (one pass; a resumed file's prefix is hashed once when the attempt starts). Only then is
 the directory renamed to ``dest/v{version:08d}`` and checked like a shared-filesystem one (its
 layout; the digests were just computed).
+
+With a relay peer (``transport/relay.py``) every file but the manifest is asked of the peer first;
+when the peer refuses, stalls (no new byte for ``relay.stall_s``) or its bytes fail the digest, the
+rest of the version comes from the controller: a partial file is kept and resumed (its bytes are
+checked with the rest), a file that failed its digest is fetched again whole.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import logging
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from vapo_async.transport.config import TransportConfig
@@ -36,47 +43,123 @@ log = logging.getLogger(__name__)
 
 Send = Callable[[list], None]
 RecvChunk = Callable[[int], Chunk | ErrorReply | None]
+Serve = Callable[[int, dict[str, int]], None]
 
 
-def fetch_weights(send: Send, recv: RecvChunk, ann: WeightAnnouncement, dest: Path, cfg: TransportConfig) -> Path:
-    """Fetch ``ann`` into ``dest/v{version:08d}`` and return the verified directory."""
+@dataclass
+class FetchStats:
+    """Where the bytes of this generator's fetches came from."""
+
+    controller_bytes: int = 0
+    """Bytes received from the controller (they left the learner)."""
+    peer_bytes: int = 0
+    """Bytes received from a relay peer."""
+    fallbacks: Counter[str] = field(default_factory=Counter)
+    """Peers left for the controller, per reason (fetch_stalled, checksum, fetch_unavailable, ...)."""
+
+
+@dataclass
+class Peer:
+    """The relay peer to ask first (``send``/``recv`` of a ``relay.PeerLink``)."""
+
+    send: Send
+    recv: RecvChunk
+    address: str
+
+
+def fetch_weights(send: Send, recv: RecvChunk, ann: WeightAnnouncement, dest: Path, cfg: TransportConfig,
+                  peer: Peer | None = None, serve: Serve | None = None, stats: FetchStats | None = None) -> Path:
+    """Fetch ``ann`` into ``dest/v{version:08d}`` and return the verified directory. ``peer``: ask
+    it first for every file but the manifest; ``serve(version, sizes)``: told the file sizes once
+    the manifest matched the announcement (the local relay server then offers the files)."""
+    stats = stats if stats is not None else FetchStats()
     final = dest / version_dir_name(ann.version)
     if final.is_dir():
         try:
-            return verify_weights_dir(final, dest, ann, cfg.limits)
+            got = verify_weights_dir(final, dest, ann, cfg.limits)
         except WeightsError as e:
             log.warning("existing %s failed verification (%s): fetching again", final, e)
             shutil.rmtree(final)
+        else:
+            if serve is not None:
+                serve(ann.version, {n: (got / n).stat().st_size for n in ann.files})
+            return got
     part = dest / f".part-{version_dir_name(ann.version)}"
     part.mkdir(parents=True, exist_ok=True)
     fetcher = _FileFetcher(send, recv, ann.version, cfg)
-    fetcher.fetch(MANIFEST, part / MANIFEST, None, "sha256")
-    if (part / MANIFEST).stat().st_size > MAX_MANIFEST_BYTES:
-        raise WeightsError("manifest", "fetched MANIFEST.json is too large")
     try:
-        files, algo = parse_manifest((part / MANIFEST).read_bytes(), ann, cfg.limits)
-    except WeightsError:
-        (part / MANIFEST).unlink()
-        raise
-    for name, (size, digest) in files.items():
-        if fetcher.fetch(name, part / name, size, algo) != digest:
-            (part / name).unlink()
-            raise WeightsError("checksum", f"fetched {name} of version {ann.version} does not match its {algo}")
+        fetcher.fetch(MANIFEST, part / MANIFEST, None, "sha256")
+        files, algo = _manifest(part, ann, cfg)
+        if serve is not None:
+            serve(ann.version, {n: size for n, (size, _) in files.items()})
+        peer_at = "" if peer is None else peer.address
+        relay = None if peer is None else _FileFetcher(peer.send, peer.recv, ann.version,
+                                                       replace(cfg, fetch_timeout_s=cfg.relay.stall_s),
+                                                       source=f"relay peer {peer.address}")
+        for name, (size, digest) in files.items():
+            if relay is not None and (relay := _from_peer(relay, peer_at, name, part, files, algo, ann, stats)):
+                continue
+            if fetcher.fetch(name, part / name, size, algo) != digest:
+                (part / name).unlink()
+                raise WeightsError("checksum", f"fetched {name} of version {ann.version} does not match its {algo}")
+    finally:
+        stats.controller_bytes += fetcher.received
     for extra in set(os.listdir(part)) - set(files) - {MANIFEST}:
         (part / extra).unlink()
     os.rename(part, final)
     return verify_weights_dir(final, dest, ann, cfg.limits, digests=False)
 
 
+def _manifest(part: Path, ann: WeightAnnouncement, cfg: TransportConfig) -> tuple[dict[str, tuple[int, str]], str]:
+    """The fetched manifest checked against ``ann`` ({name: (bytes, digest)}, hash); a bad one is deleted."""
+    if (part / MANIFEST).stat().st_size > MAX_MANIFEST_BYTES:
+        (part / MANIFEST).unlink()
+        raise WeightsError("manifest", "fetched MANIFEST.json is too large")
+    try:
+        return parse_manifest((part / MANIFEST).read_bytes(), ann, cfg.limits)
+    except WeightsError:
+        (part / MANIFEST).unlink()
+        raise
+
+
+def _from_peer(relay: _FileFetcher, peer_at: str, name: str, part: Path, files: dict[str, tuple[int, str]],
+               algo: str, ann: WeightAnnouncement, stats: FetchStats) -> _FileFetcher | None:
+    """Fetch ``name`` from the peer; returns ``relay`` when the file is complete and matches its
+    digest, None when the peer is left for the controller (which then fetches the file's rest)."""
+    size, digest = files[name]
+    before = relay.received
+    try:
+        got = relay.fetch(name, part / name, size, algo)
+        reason, why = ("", "") if got == digest else ("checksum", f"its bytes do not match the {algo} digest")
+    except WeightsError as e:
+        reason, why = (relay.refusal if e.reason == "fetch_refused" else e.reason), str(e)
+    finally:
+        stats.peer_bytes += relay.received - before
+    if not reason:
+        return relay
+    if reason == "checksum":
+        (part / name).unlink()
+    stats.fallbacks[reason] += 1
+    log.warning("relay peer %s failed on %s of version %d (%s): the rest of the version comes from the controller",
+                peer_at, name, ann.version, why)
+    return None
+
+
 class _FileFetcher:
     """Pipelined in-order download of one file at a time (see module docstring)."""
 
-    def __init__(self, send: Send, recv: RecvChunk, version: int, cfg: TransportConfig) -> None:
+    def __init__(self, send: Send, recv: RecvChunk, version: int, cfg: TransportConfig,
+                 source: str = "controller") -> None:
+        self.source = source
+        self.refusal = ""
+        """Reason token of the last refusal received."""
         self.send = send
         self.recv = recv
         self.version = version
         self.cfg = cfg
         self.retry_s = max(0.5, cfg.fetch_timeout_s / 4)
+        self.received = 0
+        """Bytes that arrived in chunks this fetcher wrote (repeats not counted)."""
 
     def fetch(self, name: str, path: Path, size: int | None, algo: str) -> str:
         """Append the missing tail of ``name`` to ``path`` until it has ``size`` bytes
@@ -110,7 +193,8 @@ class _FileFetcher:
             msg = self.recv(100)
             now = time.monotonic()
             if isinstance(msg, ErrorReply):
-                raise WeightsError("fetch_refused", f"controller refused {name} of version {self.version}: "
+                self.refusal = msg.reason
+                raise WeightsError("fetch_refused", f"{self.source} refused {name} of version {self.version}: "
                                    f"{msg.reason} {msg.detail}")
             if msg is None or msg.version != self.version or msg.file != name:
                 if now - last_progress > self.cfg.fetch_timeout_s:
@@ -138,6 +222,7 @@ class _FileFetcher:
                 f.write(data)
                 h.update(data)
                 have += len(data)
+                self.received += len(data)
                 last_progress = now
             if have > size:
                 raise WeightsError("size", f"{name} grew beyond {size} bytes")

@@ -2,8 +2,9 @@
 
 Kinds (see docs/CONTRACTS.md):
 - generator -> controller: ``hello``, ``request``, ``group`` (a one-group ``RolloutBatch``, codec
-  in ``rollout.py``), ``heartbeat``, ``bye``, ``fetch``, ``weights_refused``.
-- controller -> generator: ``welcome``, ``lease``, ``ack``, ``chunk``, ``error``.
+  in ``rollout.py``), ``heartbeat``, ``bye``, ``fetch``, ``weights_refused``, ``relay_join``.
+- controller -> generator: ``welcome``, ``lease``, ``ack``, ``chunk``, ``error``, ``relay_peer``.
+- generator -> generator (weight relay, ``relay.py``): ``fetch`` answered by ``chunk`` or ``error``.
 - PUB: ``weights`` (``WeightAnnouncement``).
 
 Each Struct is the one declaration of its kind: field types (``wire.Version``, ``wire.Index``, ...)
@@ -57,11 +58,13 @@ from vapo_async.transport.wire import (
 __all__ = [
     "SCHEMA", "MessageError", "MessageLimits", "RolloutBatch", "GroupInfo", "encode_group", "decode_group",
     "WeightAnnouncement", "Hello", "Request", "Heartbeat", "Bye", "Fetch", "WeightsRefused", "Welcome", "Lease",
-    "LeasePrompt", "Ack", "Chunk", "ErrorReply", "decode_from_generator", "decode_from_controller",
-    "decode_announcement",
+    "LeasePrompt", "Ack", "Chunk", "ErrorReply", "RelayJoin", "RelayPeer", "decode_from_generator",
+    "decode_from_controller", "decode_announcement", "decode_fetch",
 ]
 
 Scalar = bool | int | float | str
+Z85Key = Annotated[str, msgspec.Meta(pattern=r"^([0-9A-Za-z.:+=^!/*?&<>()\[\]{}@%$#-]{40})?$")]
+"""A CURVE public key in z85 (40 characters), or '' for none."""
 
 
 class WeightAnnouncement(WireMessage, tag="weights"):
@@ -135,6 +138,16 @@ class WeightsRefused(WireMessage, tag="weights_refused"):
     held: Version
     reason: Token
     return_leases: LeaseIds = ()
+
+
+class RelayJoin(WireMessage, tag="relay_join"):
+    """The sender fetches weight ``version`` and serves the bytes it has to other generators at
+    ``address`` (``tcp://HOST:PORT``; CURVE with server key ``public_key``, z85, when not empty).
+    The controller answers ``relay_peer`` naming where to fetch from."""
+
+    version: Version
+    address: Id
+    public_key: Z85Key = ""
 
 
 # ---- controller -> generator ----
@@ -223,10 +236,23 @@ class ErrorReply(WireMessage, tag="error"):
         msgspec.structs.force_setattr(self, "detail", self.detail[:500])
 
 
-FromGenerator = Hello | Request | Heartbeat | Bye | Fetch | WeightsRefused | RolloutBatch
-FromController = Welcome | Lease | Ack | Chunk | ErrorReply
-_FROM_GENERATOR = msgspec.msgpack.Decoder(Hello | Request | Heartbeat | Bye | Fetch | WeightsRefused | GroupMessage)
+class RelayPeer(WireMessage, tag="relay_peer"):
+    """Answer to ``relay_join``: fetch the big files of ``version`` from the generator at
+    ``address`` (server key ``public_key``); ``address`` empty = from the controller. The manifest
+    always comes from the controller, so whatever a peer sends is checked against digests the
+    learner wrote."""
+
+    version: Version
+    address: ShortStr = ""
+    public_key: Z85Key = ""
+
+
+FromGenerator = Hello | Request | Heartbeat | Bye | Fetch | WeightsRefused | RelayJoin | RolloutBatch
+FromController = Welcome | Lease | Ack | Chunk | ErrorReply | RelayPeer
+_FROM_GENERATOR = msgspec.msgpack.Decoder(
+    Hello | Request | Heartbeat | Bye | Fetch | WeightsRefused | RelayJoin | GroupMessage)
 _FROM_CONTROLLER = msgspec.msgpack.Decoder(FromController)
+_FETCH = msgspec.msgpack.Decoder(Fetch)
 _ANNOUNCEMENT = msgspec.msgpack.Decoder(WeightAnnouncement)
 
 
@@ -274,6 +300,12 @@ def decode_from_controller(frames: Sequence[Frame], limits: MessageLimits) -> Fr
         if views[1].nbytes > limits.max_chunk_bytes:
             raise MessageError("frame_too_large", f"chunk of {views[1].nbytes} bytes")
         return msgspec.structs.replace(msg, data=views[1])
+    return msg  # type: ignore[no-any-return]
+
+
+def decode_fetch(frames: Sequence[Frame], limits: MessageLimits) -> Fetch:
+    """Validate and decode a ``fetch`` sent to a generator's relay server. Raises ``MessageError``."""
+    msg, _ = _decode(frames, _FETCH, limits)
     return msg  # type: ignore[no-any-return]
 
 

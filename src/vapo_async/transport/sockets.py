@@ -92,7 +92,8 @@ def _load_pair(path: str | None, what: str) -> tuple[bytes, bytes | None]:
     return public, secret
 
 
-def _common(sock: zmq.Socket, cfg: TransportConfig) -> None:
+def tune_socket(sock: zmq.Socket, cfg: TransportConfig) -> None:
+    """High-water marks, ZMTP heartbeats and the message size cap every socket of the transport uses."""
     sock.setsockopt(zmq.SNDHWM, cfg.sndhwm)
     sock.setsockopt(zmq.RCVHWM, cfg.rcvhwm)
     sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
@@ -188,7 +189,7 @@ class ServerSockets:
             self.auth.configure_curve_callback(domain="*",
                                                credentials_provider=AuthorizedKeys(str(cfg.curve.authorized_keys_dir)))
         for sock in (self.router, self.pub):
-            _common(sock, cfg)
+            tune_socket(sock, cfg)
             sock.setsockopt(zmq.LINGER, 0)
             if self.curve:
                 _server_curve(sock, cfg.curve)
@@ -222,7 +223,7 @@ class ClientSockets:
             _load_pair(cfg.curve.client_secret_file, "client secret")
             _load_pair(cfg.curve.server_public_file, "server public")
         self.dealer = ctx.socket(zmq.DEALER)
-        _common(self.dealer, cfg)
+        tune_socket(self.dealer, cfg)
         self.dealer.setsockopt(zmq.ROUTING_ID, routing_id.encode())
         self.dealer.setsockopt(zmq.SNDTIMEO, cfg.send_timeout_ms)
         self.dealer.setsockopt(zmq.LINGER, 1000)
@@ -241,7 +242,7 @@ class ClientSockets:
         if self.sub is not None:
             self.sub.close(linger=0)
         sub = self.ctx.socket(zmq.SUB)
-        _common(sub, self.cfg)
+        tune_socket(sub, self.cfg)
         sub.setsockopt(zmq.CONFLATE, 1)
         sub.setsockopt(zmq.LINGER, 0)
         if self.curve:
