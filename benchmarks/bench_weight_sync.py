@@ -262,12 +262,12 @@ def bench_case(size: Size, base: Path, model: torch.nn.Module, mode: str, n: int
             "relay_bytes_per_version": peer_bytes / size.versions, "relay_fallbacks": fallbacks}
 
 
-def bench_size(size: Size, tmp: Path, quick: bool) -> dict:
+def bench_size(size: Size, tmp: Path, quick: bool, only: list[tuple[str, int]] | None = None) -> dict:
     base, model = make_model(size, tmp / "base")
     n_params = sum(p.numel() for p in model.parameters())
     nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
     # at the 0.5B shape 4 receivers' tmpfs copies (4 x 2 GB) beside the learner's 12 GB do not fit in 24 GB
-    cases = [c for c in CASES if (not quick or c[1] <= 2) and (size.engine or c[1] <= 2)]
+    cases = [c for c in only or CASES if (not quick or c[1] <= 2) and (size.engine or c[1] <= 2)]
     out = {"size": size.name, "params": n_params, "config": asdict(size), "memcpy_gbps": memcpy_gbps(nbytes),
            "write_gbps": write_gbps(nbytes, tmp), "cases": []}
     for mode, n in cases:
@@ -282,10 +282,12 @@ def verdicts(results: list[dict]) -> list[str]:
     for r in results:
         worst = max(c["stall_fraction_of_step"] for c in r["cases"])
         out.append(f"{r['size']}: stall <= 2% of a step: {'met' if worst <= 0.02 else 'MISSED'} (worst {100 * worst:.2f}%)")
-        one = next(c for c in r["cases"] if c["mode"] == "fetch" and c["n"] == 1)
-        out.append(f"{r['size']}: per-generator delivery >= 1 GB/s at N = 1 (loopback fetch): "
-                   f"{'met' if one['per_generator_gbps'] >= 1 else 'MISSED'} ({one['per_generator_gbps']:.2f} GB/s; "
-                   f"shared path {next(c for c in r['cases'] if c['mode'] == 'shared')['per_generator_gbps']:.2f} GB/s)")
+        one = next((c for c in r["cases"] if c["mode"] == "fetch" and c["n"] == 1), None)
+        shared = next((c for c in r["cases"] if c["mode"] == "shared"), None)
+        if one is not None:
+            out.append(f"{r['size']}: per-generator delivery >= 1 GB/s at N = 1 (loopback fetch): "
+                       f"{'met' if one['per_generator_gbps'] >= 1 else 'MISSED'} ({one['per_generator_gbps']:.2f} GB/s"
+                       + (f"; shared path {shared['per_generator_gbps']:.2f} GB/s)" if shared else ")"))
         four = [c for c in r["cases"] if c["mode"] == "fetch" and c["n"] == 4]
         if not four:
             out.append(f"{r['size']}: N = 4 not run (4 receivers' tmpfs copies and the learner do not fit in this "
@@ -364,6 +366,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the smallest model, N <= 2")
     ap.add_argument("--sizes", default="", help="comma-separated indices into SIZES (default: all)")
+    ap.add_argument("--cases", default="", help="e.g. fetch:1,fetch:4 (default: all of CASES)")
     ap.add_argument("--name", default="", help="results file name (default bench_weight_sync[_quick])")
     ap.add_argument("--receiver", nargs=7, metavar=("ENDPOINT", "ID", "MODE", "CACHE", "BASE", "LAST", "ENGINE"))
     args = ap.parse_args()
@@ -379,7 +382,8 @@ def main() -> None:
     results = []
     for size in sizes:
         with tempfile.TemporaryDirectory() as d:
-            results.append(bench_size(size, Path(d), args.quick))
+            only = [(m, int(n)) for m, n in (c.split(":") for c in args.cases.split(","))] if args.cases else None
+            results.append(bench_size(size, Path(d), args.quick, only))
     meta["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = args.name or ("bench_weight_sync_quick" if args.quick else "bench_weight_sync")

@@ -117,6 +117,18 @@ class BatchingConfig:
     """Cost of one more micro-batch in token-equivalents (launch/Python overhead): micro-batches
     are cut where the padding saved exceeds it. None: 256 on CPU, 8192 on a GPU (an H200 with a
     0.5B model sat idle two thirds of each step on 4k-token micro-batches: tools/device_check.sh)."""
+    packing: bool = False
+    """Pack whole sequences back to back into rows of up to ``pack_row_tokens`` tokens, positions
+    restarting per sequence and attention never crossing sequences (transformers' packed path from
+    ``position_ids``: a block-diagonal causal mask with SDPA, varlen kernels with flash attention),
+    instead of one right-padded sequence per row. Same log-probs, values, losses and gradients
+    either way (tests/learner/test_learner_packing.py). Off by default: on CPU it cut padding from
+    ~5% to <1% of tokens but was not faster (SDPA's block-diagonal mask is dense, so a row of C
+    tokens pays C^2 in attention; learner/batching.py)."""
+    pack_row_tokens: int = 0
+    """Capacity C of a packed row in tokens; 0 = the batch's longest sequence (a sequence longer
+    than C gets a row of its own). Varlen flash attention does not pay for long rows: up to
+    ``micro_batch_tokens`` there (one row per micro-batch)."""
     batch_timeout_s: float = 1800.0
     """Longest wait for rollouts in one step before the learner gives up with an error."""
     max_sampling_rounds: int = 8
@@ -211,6 +223,17 @@ class WeightsConfig:
     """Largest safetensors file, GiB (each rank's share is cut into files of at most this)."""
     finalize_timeout_s: float = 600.0
     """Rank 0 waits this long for the other ranks' files of a version, then fails the run."""
+    delta: bool = False
+    """Also write each version's safetensors files as zstd(XOR with the previous version)
+    (``transport/delta.py``): generators fetching from the learner that hold the previous version
+    take those instead. Off by default: on the measured machine encoding and decoding cost more
+    than the bytes saved (benchmarks/results/bench_weight_delta.md)."""
+    delta_level: int = 1
+    """zstd level of the deltas (1-19; higher = smaller and slower)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.delta_level <= 19:
+            raise ValueError(f"weights.delta_level must be 1-19, got {self.delta_level}")
 
     def torch_dtype(self, precision: object) -> torch.dtype:
         """The dtype of the files for a learner at ``trainer.precision``."""
@@ -298,6 +321,9 @@ def validate(cfg: LearnerConfig) -> None:
                           "must be >= 0 (or null: chosen for the device)")
     if cfg.batching.micro_batch_tokens < 1:
         raise ConfigError(f"batching.micro_batch_tokens={cfg.batching.micro_batch_tokens}: must be >= 1")
+    if not 0 <= cfg.batching.pack_row_tokens <= cfg.batching.micro_batch_tokens:
+        raise ConfigError(f"batching.pack_row_tokens={cfg.batching.pack_row_tokens}: must be in "
+                          f"[0, batching.micro_batch_tokens={cfg.batching.micro_batch_tokens}] (0 = longest sequence)")
     if cfg.checkpoint.keep_weights < 2:
         raise ConfigError(f"checkpoint.keep_weights={cfg.checkpoint.keep_weights}: must be >= 2")
     if cfg.weights.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -165,6 +165,7 @@ class LearnerModule(L.LightningModule):
             batch_groups=a.batch_groups, group_size=a.group_size, eta=a.eta, n_minibatches=a.mini_batches,
             micro_batch_tokens=self.cfg.batching.micro_batch_tokens,
             micro_batch_overhead_tokens=self.cfg.batching.overhead_for(self.trainer.strategy.root_device.type),
+            packing=self.cfg.batching.packing, pack_row_tokens=self.cfg.batching.pack_row_tokens,
             dynamic_sampling=a.dynamic_sampling,
             max_sampling_rounds=self.cfg.batching.max_sampling_rounds,
             group_advantage=a.advantage_estimator == "group", overlong=overlong,
@@ -174,7 +175,7 @@ class LearnerModule(L.LightningModule):
         self.publishing = WeightPublishing(
             self.run_dir / "weights", self.model_path, self.cfg.checkpoint.keep_weights, self.global_rank,
             self.trainer.world_size, w.torch_dtype(self.cfg.trainer.precision), w.hash, w.fsync,
-            int(w.shard_gib * (1 << 30)), w.finalize_timeout_s)
+            int(w.shard_gib * (1 << 30)), w.finalize_timeout_s, w.delta_level if w.delta else None)
         self.publishing.on_published = self._on_published
 
     def _on_published(self, ann: WeightAnnouncement) -> None:
@@ -294,10 +295,14 @@ class LearnerModule(L.LightningModule):
         by_slot: dict[int, list[int]] = {}
         for i, s in enumerate(local.micro_slot.tolist()):
             by_slot.setdefault(s, []).append(i)
+        rows = local.micro_row.tolist()
         out = []
         for slot in range(sum(local.n_micro)):
             idx = by_slot.get(slot)
-            mb = collate(local.seqs, idx, pad_id) if idx else padding_micro_batch(pad_id)
+            if not idx:
+                mb = padding_micro_batch(pad_id)
+            else:
+                mb = collate(local.seqs, idx, pad_id, [rows[i] for i in idx] if self.cfg.batching.packing else None)
             out.append(mb.to(self.device))
         return out
 

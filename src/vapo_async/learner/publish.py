@@ -88,7 +88,8 @@ class WeightPublishing:
 
     def __init__(self, root: Path, base_dir: str, keep: int, rank: int, world: int = 1,
                  dtype: torch.dtype | None = None, algo: str = DEFAULT_HASH, fsync: bool = True,
-                 shard_bytes: int = 4 << 30, finalize_timeout_s: float = 600.0) -> None:
+                 shard_bytes: int = 4 << 30, finalize_timeout_s: float = 600.0,
+                 delta_level: int | None = None) -> None:
         if keep < 2:
             raise ValueError(f"keep must be >= 2 (generators may still read the previous version), got {keep}")
         new_hasher(algo)  # refuses an unknown name now
@@ -96,6 +97,8 @@ class WeightPublishing:
         self.base_dir = Path(base_dir)
         self.dtype, self.algo, self.fsync = dtype, algo, fsync
         self.shard_bytes, self.finalize_timeout_s = shard_bytes, finalize_timeout_s
+        self.delta_level = delta_level
+        """zstd level of the deltas against the previous version (None: no deltas)."""
         self.root = Path(root).resolve()
         if rank == 0:  # before any rank writes: every write follows a collective snapshot
             prepare_root(self.root)
@@ -268,7 +271,7 @@ class WeightPublishing:
             (tmp / f".rank-{r}.json").unlink()
         dtype_name = _DTYPE_NAMES.get(self.dtype) if self.dtype is not None else None
         ann = finish_version(self.root, v, every, self.base_dir, self.algo, dtype_name,
-                             self._plan.weight_map(), self.fsync)
+                             self._plan.weight_map(), self.fsync, self.delta_level)
         prune(self.root, self.keep, keep_also=Path(ann.path))
         self.stats.published += 1
         return ann

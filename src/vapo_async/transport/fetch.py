@@ -18,6 +18,7 @@ checked with the rest), a file that failed its digest is fetched again whole.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -28,9 +29,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from vapo_async.transport.config import TransportConfig
+from vapo_async.transport.delta import decode_file, parse_delta
 from vapo_async.transport.digest import BLOCK, Hasher, new_hasher
 from vapo_async.transport.messages import Chunk, ErrorReply, Fetch, WeightAnnouncement
 from vapo_async.transport.weights import (
+    DELTA,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     WeightsError,
@@ -55,7 +58,10 @@ class FetchStats:
     peer_bytes: int = 0
     """Bytes received from a relay peer."""
     fallbacks: Counter[str] = field(default_factory=Counter)
-    """Peers left for the controller, per reason (fetch_stalled, checksum, fetch_unavailable, ...)."""
+    """Peers left for the controller, per reason (fetch_stalled, checksum, fetch_unavailable, ...),
+    and deltas given up for the whole files (``delta``)."""
+    delta_files: int = 0
+    """Files rebuilt from a delta against the version held (``transport/delta.py``)."""
 
 
 @dataclass
@@ -92,11 +98,14 @@ def fetch_weights(send: Send, recv: RecvChunk, ann: WeightAnnouncement, dest: Pa
         files, algo = _manifest(part, ann, cfg)
         if serve is not None:
             serve(ann.version, {n: size for n, (size, _) in files.items()})
+        done = _from_deltas(fetcher, ann, dest, part, files, algo, stats) if peer is None else set()
         peer_at = "" if peer is None else peer.address
         relay = None if peer is None else _FileFetcher(peer.send, peer.recv, ann.version,
                                                        replace(cfg, fetch_timeout_s=cfg.relay.stall_s),
                                                        source=f"relay peer {peer.address}")
         for name, (size, digest) in files.items():
+            if name in done:
+                continue
             if relay is not None and (relay := _from_peer(relay, peer_at, name, part, files, algo, ann, stats)):
                 continue
             if fetcher.fetch(name, part / name, size, algo) != digest:
@@ -108,6 +117,44 @@ def fetch_weights(send: Send, recv: RecvChunk, ann: WeightAnnouncement, dest: Pa
         (part / extra).unlink()
     os.rename(part, final)
     return verify_weights_dir(final, dest, ann, cfg.limits, digests=False)
+
+
+def _from_deltas(fetcher: _FileFetcher, ann: WeightAnnouncement, dest: Path, part: Path,
+                 files: dict[str, tuple[int, str]], algo: str, stats: FetchStats) -> set[str]:
+    """The files of ``ann`` rebuilt from its deltas against the version this cache holds (empty
+    when it holds another one, or when anything fails: those files are then fetched whole)."""
+    base = dest / version_dir_name(ann.delta_base)
+    if not ann.delta_checksum or not (base / MANIFEST).is_file():
+        return set()
+    work = dest / f".delta-{version_dir_name(ann.version)}"
+    work.mkdir(exist_ok=True)
+    done: set[str] = set()
+    try:
+        fetcher.fetch(DELTA, work / DELTA, None, "sha256")
+        base_v, base_checksum, delta_algo, deltas = parse_delta((work / DELTA).read_bytes(), ann.delta_checksum,
+                                                               ann.version)
+        if base_v != ann.delta_base or hashlib.sha256((base / MANIFEST).read_bytes()).hexdigest() != base_checksum:
+            raise WeightsError("delta", f"the cached version {ann.delta_base} is not the deltas' base")
+        for name, (dname, dsize, ddigest) in deltas.items():
+            if name not in files:
+                raise WeightsError("delta", f"delta of {name!r}, which version {ann.version} does not have")
+            if fetcher.fetch(dname, work / dname, dsize, delta_algo) != ddigest:
+                raise WeightsError("delta", f"{dname} does not match its digest")
+            try:
+                if decode_file(work / dname, base / name, part / name, algo) != files[name][1]:
+                    raise WeightsError("delta", f"{name} rebuilt from its delta does not match the manifest")
+            except BaseException:
+                (part / name).unlink(missing_ok=True)  # never a resumable prefix: it is not the file's
+                raise
+            done.add(name)
+    except WeightsError as e:
+        stats.fallbacks["delta"] += 1
+        log.warning("deltas of version %d against %d given up after %d files (%s): fetching the rest whole",
+                    ann.version, ann.delta_base, len(done), e)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    stats.delta_files += len(done)
+    return done
 
 
 def _manifest(part: Path, ann: WeightAnnouncement, cfg: TransportConfig) -> tuple[dict[str, tuple[int, str]], str]:

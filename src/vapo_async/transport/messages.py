@@ -69,22 +69,32 @@ Z85Key = Annotated[str, msgspec.Meta(pattern=r"^([0-9A-Za-z.:+=^!/*?&<>()\[\]{}@
 
 class WeightAnnouncement(WireMessage, tag="weights"):
     """A published weight version: directory ``path``, sha256 ``checksum`` of its MANIFEST.json,
-    total ``bytes`` and the manifest's plain file names (``files``, MANIFEST.json itself excluded)."""
+    total ``bytes`` and the manifest's plain file names (``files``, MANIFEST.json itself excluded);
+    with ``weights.delta``, the version its deltas are against."""
 
     version: Version
     path: DirPath
     checksum: Hex64
     bytes: Index
     files: tuple[str, ...]
+    delta_base: Annotated[int, msgspec.Meta(ge=-1, le=MAX_VERSION)] = -1
+    """Version the learner wrote deltas against (``transport/delta.py``); -1 = none."""
+    delta_checksum: Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{64})?$")] = ""
+    """sha256 of the deltas' DELTA.json ('' = none)."""
 
     def __post_init__(self) -> None:
         for name in self.files:
             check_file_name(name)
+        if (self.delta_base >= 0) != bool(self.delta_checksum) or self.delta_base >= self.version:
+            raise MessageError("field", f"delta_base {self.delta_base} and delta_checksum must come together, "
+                               f"below version {self.version}")
 
     def to_header(self) -> dict[str, Any]:
-        """The fields as a plain JSON/msgpack-safe map (checkpoints; no kind or schema)."""
+        """The fields as a plain JSON/msgpack-safe map (checkpoints; no kind or schema, no delta
+        fields when there are no deltas, so checkpoints read the same as before they existed)."""
         plain = msgspec.json.decode(msgspec.json.encode(self))
-        return {k: v for k, v in plain.items() if k not in ("kind", "schema")}
+        drop = {"kind", "schema"} | ({"delta_base", "delta_checksum"} if self.delta_base < 0 else set())
+        return {k: v for k, v in plain.items() if k not in drop}
 
 
 # ---- generator -> controller ----

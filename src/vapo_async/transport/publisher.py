@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vapo_async.transport.delta import prune_deltas, write_deltas
 from vapo_async.transport.digest import DEFAULT_HASH, hash_bytes
 from vapo_async.transport.messages import WeightAnnouncement
 from vapo_async.transport.weights import (
@@ -75,11 +76,13 @@ def prepare_root(root: Path) -> Path:
 
 def finish_version(root: Path, version: int, model_files: FileDigests, base_dir: Path, algo: str,
                    dtype_name: str | None = None, weight_map: dict[str, str] | None = None,
-                   fsync: bool = True) -> WeightAnnouncement:
+                   fsync: bool = True, delta_level: int | None = None) -> WeightAnnouncement:
     """Complete ``tmp_dir(root, version)``, which holds ``model_files`` (already written and
     hashed): add the base files (``config.json``'s dtype set to ``dtype_name`` when given), the
     index when there are several files (``weight_map``: tensor -> file), MANIFEST.json; rename it
-    to ``root/v{version:08d}``. Raises ``WeightPublishError`` (the partial directory removed)."""
+    to ``root/v{version:08d}``; with ``delta_level`` (zstd level), write the model files' deltas
+    against version - 1 when it is on disk (``transport/delta.py``). Raises ``WeightPublishError``
+    (the partial directory removed)."""
     tmp, final = tmp_dir(root, version), root / version_dir_name(version)
     try:
         if final.exists():
@@ -109,8 +112,18 @@ def finish_version(root: Path, version: int, model_files: FileDigests, base_dir:
         shutil.rmtree(tmp, ignore_errors=True)
         raise WeightPublishError(f"could not publish weights version {version} under {root}: {e}") from e
     total_bytes = sum(n for n, _ in files.values()) + len(manifest)
+    delta = None if delta_level is None else _deltas(root, version, sorted(model_files), algo, delta_level)
     return WeightAnnouncement(version, str(final), hashlib.sha256(manifest).hexdigest(), total_bytes,
-                              tuple(sorted(files)))
+                              tuple(sorted(files)), -1 if delta is None else version - 1, delta or "")
+
+
+def _deltas(root: Path, version: int, names: list[str], algo: str, level: int) -> str | None:
+    """``write_deltas``; a failure costs the deltas (logged), never the version."""
+    try:
+        return write_deltas(root, version, names, algo, level)
+    except (OSError, ValueError) as e:
+        log.warning("no deltas for weights version %d: %s", version, e)
+        return None
 
 
 def prune(root: Path, keep: int, keep_also: Path | None = None) -> None:
@@ -126,6 +139,7 @@ def prune(root: Path, keep: int, keep_also: Path | None = None) -> None:
         v = tmp_version(tmp)
         if v is not None and v < newest:
             shutil.rmtree(tmp, ignore_errors=True)
+    prune_deltas(root, set(published_versions(root)))
 
 
 class WeightPublisher:
@@ -133,12 +147,14 @@ class WeightPublisher:
     newest ``keep`` (>= 2, since generators may still be loading the previous one)."""
 
     def __init__(self, root: str | Path, base_dir: str | Path, keep: int = 3, shard_bytes: int = 4 << 30,
-                 algo: str = DEFAULT_HASH, fsync: bool = True) -> None:
+                 algo: str = DEFAULT_HASH, fsync: bool = True, delta_level: int | None = None) -> None:
         if keep < 2:
             raise ValueError(f"keep must be >= 2 (generators may still read the previous version), got {keep}")
         self.base_dir = Path(base_dir)
         base_files(self.base_dir)  # refuses a directory without config.json now
         self.keep, self.shard_bytes, self.algo, self.fsync = keep, shard_bytes, algo, fsync
+        self.delta_level = delta_level
+        """zstd level of deltas against the previous version (None: none; ``transport/delta.py``)."""
         hash_bytes(b"", algo)  # refuses an unknown algorithm now
         self.root = prepare_root(Path(root))
 
@@ -162,7 +178,7 @@ class WeightPublisher:
             raise WeightPublishError(f"could not publish weights version {version} under {self.root}: {e}") from e
         weight_map = {e.name: f.name for f in plan for e in f.entries}
         ann = finish_version(self.root, version, files, self.base_dir, self.algo, weight_map=weight_map,
-                             fsync=self.fsync)
+                             fsync=self.fsync, delta_level=self.delta_level)
         prune(self.root, self.keep, keep_also=Path(ann.path))
         return ann
 

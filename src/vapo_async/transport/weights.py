@@ -37,6 +37,10 @@ FORMAT = "vapo_async.weights/2"
 FORMAT_V1 = "vapo_async.weights/1"
 """sha256 digests under the key ``sha256``; still read."""
 MAX_MANIFEST_BYTES = 16 << 20
+DELTA = "DELTA.json"
+"""Index of a version's deltas (``transport/delta.py``), in ``deltas_dir``."""
+DELTA_SUFFIX = ".xor.zst"
+"""A delta file's name: the file it encodes + this."""
 _VERSION_DIR = re.compile(r"v\d{8}")
 
 
@@ -51,6 +55,11 @@ class WeightsError(Exception):
 def version_dir_name(version: int) -> str:
     """``v{version:08d}``: the directory of weight ``version`` under a weights root."""
     return f"v{version:08d}"
+
+
+def deltas_dir(root: Path, version: int) -> Path:
+    """Where version ``version``'s deltas live under a weights ``root`` (``root/deltas/v{version:08d}``)."""
+    return root / "deltas" / version_dir_name(version)
 
 
 def version_of_dir(name: str) -> int | None:
@@ -161,11 +170,15 @@ def verify_weights_dir(path: str | Path, root: str | Path, ann: WeightAnnounceme
 
 def read_chunk(ann: WeightAnnouncement, name: str, offset: int, length: int) -> tuple[bytes, int]:
     """Bytes [offset, offset + length) of file ``name`` of a published version, and the file size
-    (server side of chunked fetches; ``name`` must be MANIFEST.json or one of ``ann.files``)."""
+    (server side of chunked fetches; ``name`` must be MANIFEST.json, one of ``ann.files``, or, when
+    the version has deltas, DELTA.json or a delta file)."""
+    folder = Path(ann.path)
     if name != MANIFEST and name not in ann.files:
-        raise WeightsError("fetch_unknown_file", f"{name!r} is not part of version {ann.version}")
+        if not ann.delta_checksum or (name != DELTA and name.removesuffix(DELTA_SUFFIX) not in ann.files):
+            raise WeightsError("fetch_unknown_file", f"{name!r} is not part of version {ann.version}")
+        folder = deltas_dir(folder.parent, ann.version)
     try:
-        fd = os.open(Path(ann.path) / name, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
         raise WeightsError("fetch_unavailable", f"version {ann.version} file {name}: {e.strerror}") from e
     try:
