@@ -244,3 +244,40 @@ def test_relay_over_curve_serves_only_authorized_generators(tmp_path: Path, tiny
             c.close()
         ctl.stop()
         pub.close()
+
+
+def test_chunks_lost_between_peers_are_asked_again(served: Served) -> None:
+    """Every 5th chunk from the peer is dropped on arrival (as a lossy link would): the receiver
+    asks again from where its file ends and finishes from the peer, with no fallback."""
+    from vapo_async.transport.fetch import FetchStats, Peer, fetch_weights
+    from vapo_async.transport.messages import Chunk
+    from vapo_async.transport.relay import PeerLink
+
+    ann, m = served.ann, _manifest_bytes(served.ann)
+    a, b = served.client("gen-a"), served.client("gen-b", stall_s=2.0)
+    link = None
+    try:
+        a.fetch_weights(ann, served.tmp / "cache-a")
+        link = PeerLink(b.cfg, b._ctx, a.relay.address, a.relay.public_key)
+        seen = {"chunks": 0, "dropped": 0}
+
+        def lossy_recv(timeout_ms: int):
+            msg = link.recv(timeout_ms)
+            if isinstance(msg, Chunk):
+                seen["chunks"] += 1
+                if seen["chunks"] % 5 == 0:
+                    seen["dropped"] += 1
+                    return None
+            return msg
+
+        stats = FetchStats()
+        got = fetch_weights(b._send, b._recv_chunk, ann, served.tmp / "cache-b", b.cfg,
+                            Peer(link.send, lossy_recv, link.address), None, stats)
+        assert _same_files(got, Path(ann.path))
+        assert seen["dropped"] >= 3 and not stats.fallbacks
+        assert stats.peer_bytes == ann.bytes - m and stats.controller_bytes == m  # lost bytes came again, once
+    finally:
+        if link is not None:
+            link.close()
+        a.close()
+        b.close()
