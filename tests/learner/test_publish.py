@@ -85,6 +85,34 @@ def test_submitted_versions_are_bit_exact_and_announced_complete(tmp_path: Path,
     pub.close()
 
 
+def test_deltas_of_sharded_bf16_versions_rebuild_them(tmp_path: Path, tiny_model_dir: Path, actor) -> None:
+    """weights.delta: each shard of version 2 has a delta against version 1 that decodes to it exactly."""
+    from vapo_async.transport.delta import decode_file
+    from vapo_async.transport.digest import hash_file
+
+    pub = WeightPublishing(tmp_path / "weights", str(tiny_model_dir), keep=3, rank=0, dtype=torch.bfloat16,
+                           shard_bytes=200_000, delta_level=1)
+    anns = []
+    pub.on_published = anns.append
+    for v in (1, 2):
+        with torch.no_grad():  # an update a hundredth of bf16's resolution for most values: few bytes change
+            for p in actor.parameters():
+                p.add_(1e-5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(v)))
+        pub.submit(actor, v)
+        pub.flush()
+    pub.close()
+    root = (tmp_path / "weights").resolve()
+    assert [a.delta_base for a in anns] == [-1, 1] and anns[1].delta_checksum
+    shards = sorted(p.name for p in (root / "v00000002").glob("model-*.safetensors"))
+    deltas = sorted(p.name for p in (root / "deltas" / "v00000002").glob("*.xor.zst"))
+    assert len(shards) > 1 and deltas == [s + ".xor.zst" for s in shards]
+    for s in shards:
+        d = root / "deltas" / "v00000002" / (s + ".xor.zst")
+        assert d.stat().st_size < (root / "v00000002" / s).stat().st_size / 3
+        out = tmp_path / s
+        assert decode_file(d, root / "v00000001" / s, out, "xxh3_128") == hash_file(root / "v00000002" / s, "xxh3_128")
+
+
 def test_latest_wins_under_a_slow_writer(tmp_path: Path, tiny_model_dir: Path, actor,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     real = publish_mod.write_image
