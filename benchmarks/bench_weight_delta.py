@@ -1,20 +1,21 @@
-"""Benchmark: would delta encoding (XOR against the previous version + zstd) shorten weight delivery?
+"""Benchmark: does delta encoding (``weights.delta``: XOR against the previous version + zstd) shorten delivery?
 
-    python benchmarks/bench_weight_delta.py WEIGHTS_DIR [--name bench_weight_delta]
+    python benchmarks/bench_weight_delta.py WEIGHTS_DIR [--pairs 4] [--name bench_weight_delta]
 
 WEIGHTS_DIR holds versions ``v{version:08d}/`` published by a real training run (the learner's
-``weights/`` folder, or a copy of it taken while it ran). For every pair of consecutive versions
-(v - 1, v) and every ``*.safetensors`` file it measures, on this machine:
+``weights/`` folder, or a copy taken while it ran). For the last ``--pairs`` pairs of consecutive
+versions (v - 1, v), in the dtype the run published (fp32 on CPU) and cast to bf16 (what a GPU run
+publishes with ``weights.dtype=auto``), it runs the product's path end to end:
 
-- the size of ``zstd(file(v) XOR file(v - 1))`` (levels 1 and 3) against the file, in the dtype the
-  run published (fp32 on CPU) and after a cast of both versions to bf16 (what a GPU run publishes
-  with ``weights.dtype=auto``); plain ``zstd(file(v))`` as the no-delta baseline;
-- the time to encode (XOR + compress) and to decode (decompress + XOR) each file;
-- the product's fetch (``ControllerClient.fetch_weights`` from a real ``Controller``, loopback, into
-  tmpfs when there is one) of the whole version, timed in the same run: the ceiling delta must beat.
+- ``WeightPublisher.publish`` (``finish_version`` -> ``transport/delta.write_deltas``: what the
+  learner's writer thread runs) writes v - 1, then v with deltas; the same v is also published
+  without deltas into another root, so the difference is the learner-side encoding cost;
+- a real ``Controller`` serves both; ``ControllerClient.fetch_weights`` (relay off, cache in tmpfs
+  when there is one) fetches v twice: by a generator that holds v - 1 (deltas: ``decode_file``
+  against its copy, checked against the manifest) and by one that holds nothing (whole files).
 
-Delivery with delta = encode + fetch of the delta bytes (at the measured fetch rate) + decode;
-without = fetch of the whole version. Verdict: delta shortens delivery or not, per dtype.
+Delivery with deltas = the learner's extra encoding time + the fetch with deltas; without = the
+whole fetch. The compression ratio is the model files' bytes over their deltas' bytes.
 Results: benchmarks/results/NAME.{json,md,png}.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -31,13 +33,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import zstandard
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _records import RESULTS, run_meta  # noqa: E402
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+LEVEL = 1
 
 
 @dataclass(frozen=True)
@@ -50,56 +52,69 @@ def versions(root: Path) -> list[int]:
     return sorted(int(p.name[1:]) for p in root.glob("v*") if p.name[1:].isdigit() and (p / "MANIFEST.json").is_file())
 
 
-def as_bf16_bytes(path: Path) -> bytes:
-    """The file's tensors cast to bf16 and saved as safetensors (what weights.dtype=bf16 publishes)."""
-    return save({k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in sorted(load_file(path).items())})
+def tensors(version_dir: Path, dtype: str) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(version_dir.glob("*.safetensors")):
+        sd.update(load_file(f))
+    if dtype == "bf16":
+        sd = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}
+    return sd
 
 
-def xor(a: bytes, b: bytes) -> bytes:
-    if len(a) != len(b):
-        raise ValueError(f"files differ in size ({len(a)} vs {len(b)}): a delta needs the same layout")
-    return (np.frombuffer(a, np.uint8) ^ np.frombuffer(b, np.uint8)).tobytes()
-
-
-def measure_pair(prev: bytes, cur: bytes, level: int) -> dict:
-    """Delta and plain zstd sizes of ``cur`` and the encode/decode times (seconds)."""
-    cctx, dctx = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
-    t0 = time.perf_counter()
-    delta = cctx.compress(xor(cur, prev))
-    t1 = time.perf_counter()
-    back = xor(dctx.decompress(delta, max_output_size=len(cur)), prev)
-    t2 = time.perf_counter()
-    if back != cur:
-        raise AssertionError("delta round trip is not exact")
-    plain = cctx.compress(cur)
-    return {"bytes": len(cur), "delta_bytes": len(delta), "plain_zstd_bytes": len(plain),
-            "encode_s": t1 - t0, "decode_s": t2 - t1}
-
-
-def fetch_gbps(root: Path, version: int) -> float:
-    """Loopback fetch rate of the product's ``ControllerClient.fetch_weights`` for one whole version."""
+def one_pair(src: Path, a: int, b: int, dtype: str, tmp: Path) -> dict:
+    """Publish a and b (with and without deltas), then fetch b with and without the base held."""
     from vapo_async.controller.config import ControllerConfig
     from vapo_async.controller.server import Controller
     from vapo_async.transport.client import ControllerClient
     from vapo_async.transport.config import RelayConfig, TransportConfig
-    from vapo_async.transport.weights import announcement_for
+    from vapo_async.transport.publisher import WeightPublisher
 
-    ann = announcement_for(root / f"v{version:08d}")
-    with tempfile.TemporaryDirectory() as sock_dir, tempfile.TemporaryDirectory(dir=SHM) as cache:
-        endpoint = f"ipc://{sock_dir}/ctl"
-        ctl = Controller(ControllerConfig(transport=TransportConfig(endpoint=endpoint), weights_root=str(root)),
-                         [Prompt("x", "1")], batch_groups=1, eta=0, vocab_size=10)
-        ctl.start()
-        ctl.announce(ann)
-        client = ControllerClient(TransportConfig(endpoint=endpoint, relay=RelayConfig(enabled=False)), "bench")
-        try:
-            client.connect(timeout_s=30)
-            t0 = time.perf_counter()
-            client.fetch_weights(ann, Path(cache))
-            return ann.bytes / (time.perf_counter() - t0) / 1e9
-        finally:
-            client.close()
-            ctl.stop()
+    base_files = src / f"v{a:08d}"
+    sd_a, sd_b = tensors(src / f"v{a:08d}", dtype), tensors(src / f"v{b:08d}", dtype)
+    plain = WeightPublisher(tmp / "plain", base_files, keep=3)
+    plain.publish(a, sd_a)
+    t0 = time.perf_counter()
+    plain.publish(b, sd_b)
+    publish_plain_s = time.perf_counter() - t0
+    pub = WeightPublisher(tmp / "delta", base_files, keep=3, delta_level=LEVEL)
+    ann_a = pub.publish(a, sd_a)
+    t0 = time.perf_counter()
+    ann_b = pub.publish(b, sd_b)
+    publish_delta_s = time.perf_counter() - t0
+    meta = json.loads((pub.root / "deltas" / f"v{b:08d}" / "DELTA.json").read_text())
+    model_bytes = sum(json.loads((Path(ann_b.path) / "MANIFEST.json").read_text())["files"][n]["bytes"]
+                      for n in meta["files"])
+    delta_bytes = sum(e["bytes"] for e in meta["files"].values())
+    endpoint = f"ipc://{tmp}/ctl"
+    ctl = Controller(ControllerConfig(transport=TransportConfig(endpoint=endpoint), weights_root=str(pub.root)),
+                     [Prompt("x", "1")], batch_groups=1, eta=0, vocab_size=10)
+    ctl.start()
+    ctl.announce(ann_a)
+    ctl.announce(ann_b)
+    out = {"versions": [a, b], "dtype": dtype, "model_bytes": model_bytes, "delta_bytes": delta_bytes,
+           "version_bytes": ann_b.bytes, "publish_plain_s": publish_plain_s, "publish_delta_s": publish_delta_s}
+    try:
+        for who in ("holds_base", "fresh"):
+            client = ControllerClient(TransportConfig(endpoint=endpoint, relay=RelayConfig(enabled=False)), who)
+            cache = Path(tempfile.mkdtemp(dir=SHM or tmp))
+            try:
+                client.connect(timeout_s=30)
+                if who == "holds_base":
+                    client.fetch_weights(ann_a, cache)
+                before = ctl.metrics().get("transport/fetch_bytes", 0.0)
+                t0 = time.perf_counter()
+                client.fetch_weights(ann_b, cache)
+                out[f"fetch_{who}_s"] = time.perf_counter() - t0
+                out[f"sent_{who}_bytes"] = ctl.metrics()["transport/fetch_bytes"] - before
+                out[f"delta_files_{who}"] = client.fetch_stats.delta_files
+            finally:
+                client.close()
+                shutil.rmtree(cache, ignore_errors=True)
+    finally:
+        ctl.stop()
+    if out["delta_files_holds_base"] != len(meta["files"]):
+        raise RuntimeError(f"the generator holding v{a} did not use the deltas: {out}")
+    return out
 
 
 def run(root: Path, pairs: int) -> dict:
@@ -109,51 +124,46 @@ def run(root: Path, pairs: int) -> dict:
         raise SystemExit(f"{root}: no two consecutive complete versions (found {vs})")
     rows = []
     for a, b in consecutive:
-        for f in sorted((root / f"v{b:08d}").glob("*.safetensors")):
-            prev_path = root / f"v{a:08d}" / f.name
-            for dtype in ("published", "bf16"):
-                prev = prev_path.read_bytes() if dtype == "published" else as_bf16_bytes(prev_path)
-                cur = f.read_bytes() if dtype == "published" else as_bf16_bytes(f)
-                for level in (1, 3):
-                    rows.append({"versions": [a, b], "file": f.name, "dtype": dtype, "level": level,
-                                 **measure_pair(prev, cur, level)})
-    return {"pairs": consecutive, "rows": rows, "fetch_gbps": fetch_gbps(root, consecutive[-1][1])}
+        for dtype in ("published", "bf16"):
+            with tempfile.TemporaryDirectory() as d:
+                rows.append(one_pair(root, a, b, dtype, Path(d)))
+                print(json.dumps(rows[-1]), flush=True)
+    return {"pairs": consecutive, "rows": rows}
 
 
 def summarise(res: dict) -> list[dict]:
     out = []
     for dtype in ("published", "bf16"):
-        for level in (1, 3):
-            rs = [r for r in res["rows"] if r["dtype"] == dtype and r["level"] == level]
-            full = sum(r["bytes"] for r in rs)
-            delta = sum(r["delta_bytes"] for r in rs)
-            enc, dec = sum(r["encode_s"] for r in rs), sum(r["decode_s"] for r in rs)
-            without = full / (res["fetch_gbps"] * 1e9)
-            with_delta = enc + delta / (res["fetch_gbps"] * 1e9) + dec
-            out.append({"dtype": dtype, "level": level, "bytes": full, "delta_ratio": full / delta,
-                        "plain_zstd_ratio": full / sum(r["plain_zstd_bytes"] for r in rs),
-                        "encode_gbps": full / enc / 1e9, "decode_gbps": full / dec / 1e9,
-                        "delivery_without_s": without, "delivery_with_delta_s": with_delta,
-                        "shortens": with_delta < without})
+        rs = [r for r in res["rows"] if r["dtype"] == dtype]
+        model, delta = sum(r["model_bytes"] for r in rs), sum(r["delta_bytes"] for r in rs)
+        encode = sum(max(0.0, r["publish_delta_s"] - r["publish_plain_s"]) for r in rs) / len(rs)
+        with_delta = encode + sum(r["fetch_holds_base_s"] for r in rs) / len(rs)
+        without = sum(r["fetch_fresh_s"] for r in rs) / len(rs)
+        out.append({"dtype": dtype, "pairs": len(rs), "version_mb": rs[0]["version_bytes"] / 1e6,
+                    "delta_ratio": model / delta, "learner_extra_s": encode,
+                    "fetch_with_delta_s": sum(r["fetch_holds_base_s"] for r in rs) / len(rs),
+                    "sent_with_delta_mb": sum(r["sent_holds_base_bytes"] for r in rs) / len(rs) / 1e6,
+                    "sent_whole_mb": sum(r["sent_fresh_bytes"] for r in rs) / len(rs) / 1e6,
+                    "delivery_with_delta_s": with_delta, "delivery_without_s": without,
+                    "shortens": with_delta < without})
     return out
 
 
 def markdown(res: dict, summary: list[dict], meta: dict, root: Path) -> str:
-    rows = ["| dtype | zstd level | MB (all pairs) | delta ratio | plain zstd ratio | encode GB/s | decode GB/s | "
-            "delivery without delta s | with delta s | shortens |", "|---" * 10 + "|"]
+    rows = ["| dtype | pairs | version MB | delta ratio | learner's extra encode s | fetch with delta s | "
+            "MB sent with delta | MB sent whole | delivery with delta s | without s | shortens |", "|---" * 11 + "|"]
     for s in summary:
-        rows.append(f"| {s['dtype']} | {s['level']} | {s['bytes'] / 1e6:.1f} | {s['delta_ratio']:.2f}x | "
-                    f"{s['plain_zstd_ratio']:.2f}x | {s['encode_gbps']:.2f} | {s['decode_gbps']:.2f} | "
-                    f"{s['delivery_without_s']:.3f} | {s['delivery_with_delta_s']:.3f} | "
+        rows.append(f"| {s['dtype']} | {s['pairs']} | {s['version_mb']:.1f} | {s['delta_ratio']:.2f}x | "
+                    f"{s['learner_extra_s']:.3f} | {s['fetch_with_delta_s']:.3f} | {s['sent_with_delta_mb']:.2f} | "
+                    f"{s['sent_whole_mb']:.2f} | {s['delivery_with_delta_s']:.3f} | {s['delivery_without_s']:.3f} | "
                     f"{'yes' if s['shortens'] else 'no'} |")
     return ("# bench_weight_delta\n\n"
             f"Commit {meta['commit']}, {meta['date']}, {meta['machine']}; load average at start "
-            f"{meta['load_avg_start']}, at end {meta['load_avg_end']}. Versions of a real training run "
-            f"({root}): consecutive pairs {res['pairs']}. ``published``: the files as the run wrote them "
-            "(fp32 on CPU); ``bf16``: both versions cast to bf16 first. Delta = zstd(file(v) XOR file(v - 1)); "
-            "times are one core's. The product's loopback fetch of one whole version ran at "
-            f"{res['fetch_gbps']:.2f} GB/s in the same run; delivery = encode + delta bytes at that rate + "
-            "decode, against the whole version at that rate.\n\n" + "\n".join(rows) + "\n")
+            f"{meta['load_avg_start']}, at end {meta['load_avg_end']}. Consecutive versions {res['pairs']} of a real "
+            f"training run ({root}). ``published``: the tensors as the run wrote them (fp32 on CPU); ``bf16``: cast "
+            f"to bf16 first. zstd level {LEVEL}. Means over pairs; every figure times the product's functions "
+            "(``WeightPublisher.publish`` with and without ``delta_level``, ``ControllerClient.fetch_weights`` over a "
+            "real controller on loopback, into tmpfs).\n\n" + "\n".join(rows) + "\n")
 
 
 def plot(summary: list[dict], path: Path) -> None:
@@ -162,18 +172,16 @@ def plot(summary: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{s['dtype']}\nzstd {s['level']}" for s in summary]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    labels = [s["dtype"] for s in summary]
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
     x = np.arange(len(summary))
-    ax[0].bar(x - 0.2, [s["delta_ratio"] for s in summary], 0.4, label="XOR delta + zstd")
-    ax[0].bar(x + 0.2, [s["plain_zstd_ratio"] for s in summary], 0.4, label="zstd alone")
+    ax[0].bar(x, [s["delta_ratio"] for s in summary], 0.5)
     ax[0].set_xticks(x, labels)
-    ax[0].set_ylabel("compression ratio (x)")
-    ax[0].legend()
+    ax[0].set_ylabel("model bytes / delta bytes")
     ax[1].bar(x - 0.2, [s["delivery_without_s"] for s in summary], 0.4, label="whole version")
-    ax[1].bar(x + 0.2, [s["delivery_with_delta_s"] for s in summary], 0.4, label="delta (encode+send+decode)")
+    ax[1].bar(x + 0.2, [s["delivery_with_delta_s"] for s in summary], 0.4, label="encode + fetch with deltas")
     ax[1].set_xticks(x, labels)
-    ax[1].set_ylabel("delivery s (all pairs)")
+    ax[1].set_ylabel("delivery s")
     ax[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -182,11 +190,10 @@ def plot(summary: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("weights", type=Path, help="a run's weights folder (v00000001/, v00000002/, ...)")
-    ap.add_argument("--pairs", type=int, default=8, help="the last N consecutive pairs")
+    ap.add_argument("--pairs", type=int, default=4, help="the last N consecutive pairs")
     ap.add_argument("--name", default="bench_weight_delta")
     args = ap.parse_args()
     meta = run_meta(f"{args.pairs} pairs", "XOR delta + zstd of consecutive weight versions", ["published", "bf16"])
-    torch.set_num_threads(1)
     res = run(args.weights, args.pairs)
     summary = summarise(res)
     meta["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
