@@ -271,5 +271,8 @@ def test_chunked_logprobs_equal_full_logits_at_a_32k_vocabulary():
     got = run(lambda: actor_logprobs(actor, mb, TEMPERATURE, chunk=7))
     for name, r, x in (("logp", ref[0], got[0]), ("entropy", ref[1], got[1])):
         torch.testing.assert_close(x, r, rtol=1e-5, atol=1e-5 * r.abs().max().item(), msg=name)
+    # gradients sum over every token and all 32,768 words in another order (chunks of 7, the
+    # backward written by hand): fp32 rounding alone reaches ~1e-5 of the largest entry (9.8e-6
+    # measured on down_proj under load), so 3e-5 of it is the bound; a wrong term is O(1) of it
     for (pname, _), r, x in zip(actor.named_parameters(), ref[2], got[2], strict=True):
-        assert (x - r).abs().max() <= 1e-5 * r.abs().max() + 1e-9, pname
+        assert (x - r).abs().max() <= 3e-5 * r.abs().max() + 1e-9, pname

@@ -123,8 +123,8 @@ class BatchingConfig:
     ``position_ids``: a block-diagonal causal mask with SDPA, varlen kernels with flash attention),
     instead of one right-padded sequence per row. Same log-probs, values, losses and gradients
     either way (tests/learner/test_learner_packing.py). Off by default: on CPU it cut padding from
-    ~5% to <1% of tokens but was not faster (SDPA's block-diagonal mask is dense, so a row of C
-    tokens pays C^2 in attention; learner/batching.py)."""
+    5-7% to 1-2% of tokens but a step was 0-15% slower (SDPA's block-diagonal mask is dense, so a
+    row of C tokens pays C^2 in attention; learner/batching.py)."""
     pack_row_tokens: int = 0
     """Capacity C of a packed row in tokens; 0 = the batch's longest sequence (a sequence longer
     than C gets a row of its own). Varlen flash attention does not pay for long rows: up to

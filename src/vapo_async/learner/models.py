@@ -9,9 +9,15 @@
   and then on the root, over a 1-D mesh (FSDP, ZeRO-3) or a 2-D (replicate, shard) mesh (HSDP;
   with shard size 1 this is DDP).
 
-Notation: b sequences of a micro-batch, T padded length, Tr padded response length, V vocabulary.
-The actor's log-probs and entropy come from its final hidden states in token chunks
-(``actor_logprobs``): no (b, Tr, V) logits tensor exists in a step.
+Notation: b sequences and n rows of a micro-batch (n = b when padded), T row length, Tr padded
+response length, H hidden size, V vocabulary. The actor's log-probs and entropy come from its
+final hidden states in token chunks (``actor_logprobs``): no (b, Tr, V) logits tensor exists in a
+step.
+
+Packed micro-batches (``MicroBatch.packed``) go through transformers' own packed-sequence path:
+``position_ids`` restarting at 0 per sequence and no attention mask, from which the model builds a
+block-diagonal causal mask (SDPA, eager) or runs variable-length kernels (flash attention), so
+attention never crosses sequences and positions are each sequence's own.
 
 Departures: VAPO initialises the critic from a reward model; with no reward model (the tiny
 default) it starts from the base model's backbone, as VC-PPO's ablations and most open
@@ -111,6 +117,24 @@ def shard(model: nn.Module, mesh: object, mixed_precision: torch.dtype | None = 
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
 
+PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+"""Attention implementations that keep packed sequences apart given their ``position_ids``."""
+
+
+def model_inputs(model: nn.Module, mb: MicroBatch) -> dict[str, torch.Tensor | bool]:
+    """Keyword arguments of ``model``'s forward for ``mb``: the attention mask when padded;
+    ``position_ids`` without a mask and without a KV cache when packed (transformers detects
+    packed rows only then; with a cache it would silently attend across sequences)."""
+    if not mb.packed:
+        return {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask}
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl not in PACKED_ATTENTION:
+        raise ValueError(f"packed micro-batches need one of the attention implementations {PACKED_ATTENTION}, "
+                         f"{type(model).__name__} uses {impl!r}: set batching.packing=false")
+    assert mb.position_ids is not None
+    return {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "use_cache": False}
+
+
 def _keep_from(mb: MicroBatch) -> int:
     """First position whose logits are needed: min_i(P_i) - 1 (prompts before it need none)."""
     first = int(mb.resp_index[:, 0].min()) if mb.resp_index.numel() else 0
@@ -119,8 +143,9 @@ def _keep_from(mb: MicroBatch) -> int:
 
 def actor_logprobs(actor: nn.Module, mb: MicroBatch, temperature: float,
                    chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(b, Tr) float32 log pi(response token) and (b, Tr) entropy of pi at the response positions,
-    pi = softmax(logits / temperature), without the (b, Tr, V) logits (``algo/chunked.py``).
+    """(b, Tr) float32 log pi(response token) and (b, Tr) entropy of pi at the response positions
+    (0 where ``mb.resp_mask`` is 0), pi = softmax(logits / temperature), without the (b, Tr, V)
+    logits (``algo/chunked.py``).
 
     The behaviour policy sampled from softmax(logits / temperature), so pi_prox and pi_theta use
     the same scaling (otherwise every ratio would be off by the temperature). The output layer runs
@@ -131,27 +156,33 @@ def actor_logprobs(actor: nn.Module, mb: MicroBatch, temperature: float,
     if getattr(head, "bias", None) is not None:
         raise ValueError("actor_logprobs: an output layer with a bias is not supported")
     b, tr = mb.response_ids.shape
-    idx = (mb.resp_index - start).clamp(min=0)  # (b, Tr) rows of the kept positions start .. T - 1
+    width = mb.input_ids.shape[1] - start  # kept columns start .. T - 1 of every row
+    # only the K real response tokens go through the output layer (a packed micro-batch mixes
+    # short and long responses: its (b, Tr) view is mostly padding)
+    valid = (mb.resp_mask.reshape(-1) > 0).nonzero().squeeze(1)  # (K,) into the flat (b * Tr) view
+    rows = mb.resp_row[:, None].expand(b, tr).reshape(-1)[valid]  # (K,) row of each token's predictor
+    cols = (mb.resp_index - start).clamp(min=0).reshape(-1)[valid]  # (K,) its column among the kept ones
+    targets = mb.response_ids.reshape(-1)[valid]  # (K,)
 
-    def forward(hidden: torch.Tensor) -> torch.Tensor:  # (b, T - start, H) -> (b, Tr, 2)
-        h = hidden.gather(1, idx[:, :, None].expand(-1, -1, hidden.shape[-1])).reshape(b * tr, -1)
-        logp, ent = logprob_entropy(h, head.weight, mb.response_ids.reshape(-1), temperature, chunk)
-        return torch.stack([logp, ent], dim=-1).view(b, tr, 2)
+    def forward(hidden: torch.Tensor) -> torch.Tensor:  # (n, width, H) -> (1, b * Tr, 2), 0 on padding
+        logp, ent = logprob_entropy(hidden[rows, cols], head.weight, targets, temperature, chunk)  # (K,) each
+        pair = torch.stack([logp, ent], dim=-1)  # (K, 2)
+        return pair.new_zeros(b * tr, 2).index_put((valid,), pair)[None]
 
     head.forward = forward  # an instance attribute: nn.Module.__call__ takes it over the class's
     try:
-        out = actor(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                    logits_to_keep=mb.input_ids.shape[1] - start)
+        out = actor(**model_inputs(actor, mb), logits_to_keep=width)
     finally:
         del head.forward
-    return out.logits[..., 0], out.logits[..., 1]
+    pair = out.logits.view(b, tr, 2)
+    return pair[..., 0], pair[..., 1]
 
 
 def critic_values(critic: nn.Module, mb: MicroBatch) -> torch.Tensor:
     """(b, Tr) float32 values V(s_t) of the state before each response token."""
-    out = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
-    values = out.logits.squeeze(-1)  # (b, T)
-    return values.gather(1, mb.resp_index).float()
+    out = critic(**model_inputs(critic, mb))
+    values = out.logits.squeeze(-1)  # (n, T)
+    return values[mb.resp_row[:, None], mb.resp_index].float()
 
 
 def export_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

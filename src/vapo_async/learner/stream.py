@@ -52,8 +52,9 @@ class StopRequested(Exception):
 
 
 def _flat_dtypes() -> list[str]:
-    """dtype of every scattered array: ``RolloutBatch.flat`` then the micro-batch slot of each response."""
-    return [*RolloutBatch.flat_dtypes(), "<i8"]
+    """dtype of every scattered array: ``RolloutBatch.flat``, then the micro-batch slot and the row
+    within the micro-batch of each response."""
+    return [*RolloutBatch.flat_dtypes(), "<i8", "<i8"]
 
 
 class GroupSource(Protocol):
@@ -121,6 +122,10 @@ class StreamConfig:
     """Padded-token budget of one micro-batch."""
     micro_batch_overhead_tokens: int = 256
     """Price of one more micro-batch in token-equivalents (see ``batching.micro_batches``)."""
+    packing: bool = False
+    """Plan packed rows of whole sequences instead of one padded sequence per row."""
+    pack_row_tokens: int = 0
+    """Packed row capacity (0: the batch's longest sequence; see ``batching.make_plan``)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose responses are all right or all wrong, refill the batch."""
     max_sampling_rounds: int = 8
@@ -143,6 +148,8 @@ class LocalBatch:
     """This rank's responses (each a group of one with its prompt; ``info`` empty)."""
     micro_slot: torch.Tensor
     """(S_r,) int64 flat micro-batch slot of each sequence."""
+    micro_row: torch.Tensor
+    """(S_r,) int64 row of each sequence within its micro-batch (``batching.Plan.micro_row``)."""
     n_micro: list[int]
     """(M,) micro-batches per mini-batch (equal on every rank)."""
     norms: list[MinibatchNorms]
@@ -264,7 +271,8 @@ class RolloutStream:
             batch = self._score(groups)
             gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
             plan = make_plan(batch, self.world, self.cfg.n_minibatches, self.cfg.micro_batch_tokens, gen,
-                             self.cfg.micro_batch_overhead_tokens) if batch.n_responses else None
+                             self.cfg.micro_batch_overhead_tokens, self.cfg.packing,
+                             self.cfg.pack_row_tokens) if batch.n_responses else None
             if plan is not None:
                 stats["perf/padding_fraction"] = plan.padding_fraction
             stats["batch/tokens"] = float(batch.seq_lens.sum())
@@ -311,8 +319,8 @@ class RolloutStream:
             if self.world > 1:
                 self._bcast(torch.tensor([STATUS_EMPTY, 0], dtype=torch.int64))
             return _empty()
-        parts = [[*batch.select_responses(idx).flat(), np.asarray(plan.micro_id[r], dtype=np.int64)]
-                 for r, idx in enumerate(plan.rank_index)]
+        parts = [[*batch.select_responses(idx).flat(), np.asarray(plan.micro_id[r], dtype=np.int64),
+                  np.asarray(plan.micro_row[r], dtype=np.int64)] for r, idx in enumerate(plan.rank_index)]
         if self.world > 1:
             m = len(plan.n_micro)
             self._bcast(torch.tensor([STATUS_OK, m], dtype=torch.int64))
@@ -372,13 +380,13 @@ def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
 
 
 def _local(arrays: list[np.ndarray], n_micro: list[int], norms: list[MinibatchNorms]) -> LocalBatch:
-    """This rank's ``LocalBatch`` from its scattered arrays (``RolloutBatch.flat`` + micro slots)."""
-    return LocalBatch(RolloutBatch.from_flat(arrays[:-1]), torch.from_numpy(np.asarray(arrays[-1], dtype=np.int64)),
-                      n_micro, norms)
+    """This rank's ``LocalBatch`` from its scattered arrays (``RolloutBatch.flat`` + micro slots + rows)."""
+    slot, row = (torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in arrays[-2:])
+    return LocalBatch(RolloutBatch.from_flat(arrays[:-2]), slot, row, n_micro, norms)
 
 
 def _empty() -> LocalBatch:
-    return LocalBatch(RolloutBatch.empty(), torch.zeros(0, dtype=torch.int64), [], [])
+    return LocalBatch(RolloutBatch.empty(), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), [], [])
 
 
 def _norms_tensor(norms: list[MinibatchNorms]) -> torch.Tensor:
