@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def build(model_dir: str, run_dir: str, strategy: str, devices: int):
+def build(model_dir: str, run_dir: str, strategy: str, devices: int, packing: bool = False):
     """The module and trainer of the step (shared with the in-process single-device test)."""
     import lightning as L
     from learner_helpers import make_groups
@@ -32,6 +32,7 @@ def build(model_dir: str, run_dir: str, strategy: str, devices: int):
     cfg.trainer.devices = devices
     cfg.trainer.accelerator = "cpu"
     cfg.batching.micro_batch_tokens = 48
+    cfg.batching.packing = packing
     cfg.sampling.temperature = 0.8
     rank0 = os.environ.get("LOCAL_RANK", "0") == "0"
     module = LearnerModule(cfg, model_dir, run_dir, source=ListSource(make_groups(4, 4, vocab=300, seed=21)) if rank0 else None)
@@ -62,7 +63,7 @@ def critic_state(module) -> dict:
 
 if __name__ == "__main__":
     model_dir, run_dir, strategy, devices = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    module, trainer = build(model_dir, run_dir, strategy, devices)
+    module, trainer = build(model_dir, run_dir, strategy, devices, packing="packed" in sys.argv[5:])
     trainer.fit(module)
     state = critic_state(module)  # collectives under FSDP2
     actor = full_state(module.actor)

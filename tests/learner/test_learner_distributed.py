@@ -40,8 +40,9 @@ def _published(d: Path) -> dict:
 def _two_ranks(model_dir: Path, run_dir: Path, strategy: str) -> tuple[dict, dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
+    strategy, _, layout = strategy.partition("+")
     proc = subprocess.run([sys.executable, str(HERE / "dist_step_script.py"), str(model_dir), str(run_dir),
-                           strategy, "2"], env=env, capture_output=True, text=True, timeout=240)
+                           strategy, "2", layout], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     d = run_dir / "weights" / "v00000001"
     assert sorted(p.name for p in d.glob("*.safetensors")) == [f"model-0000{k}-of-00002.safetensors" for k in (1, 2)]
@@ -58,8 +59,10 @@ def reference(tiny_model_dir, tmp_path_factory) -> tuple[dict, dict]:
     return _single_device(tiny_model_dir, tmp_path_factory.mktemp("single"))
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp", "fsdp+packed"])
 def test_two_rank_step_equals_single_device(strategy, reference, tiny_model_dir, tmp_path):
+    """``fsdp+packed``: the 2 ranks plan packed rows (``batching.packing``) against the padded
+    single-device reference: the rows reach every rank and the step is the same."""
     actor_1, critic_1 = reference
     actor_2, critic_2 = _two_ranks(tiny_model_dir, tmp_path, strategy)
     base = load_file(str(tiny_model_dir / "model.safetensors"))
