@@ -1,6 +1,7 @@
 """VAPO's Table 1, small: VAPO, VAPO without each technique, vanilla PPO, GRPO, DAPO on the task.
 
     python benchmarks/ablation.py --budget quick          # <= 60 min on 2 CPU cores (documented subset)
+    python benchmarks/ablation.py --budget standard --resume   # every row x 3 seeds at quick's scale (~2.2 h)
     python benchmarks/ablation.py --budget full           # every variant, 3 seeds, 200 steps
     python benchmarks/ablation.py --budget quick --dry-run   # print the commands, run nothing
     python benchmarks/ablation.py --report-only           # rebuild md/png from ablation_runs.json
@@ -101,6 +102,10 @@ BUDGETS = {
     # seven single-technique ablations need the `full` budget (or --variants).
     "quick": Budget("quick", ("vapo", "ppo", "grpo", "dapo"), (0, 1, 2), steps=36, prompts=8, samples=8,
                     value_warmup_steps=3, eval_every=12, eval_prompts=32, eval_samples=16, timeout_s=600),
+    # standard: every row of Table 1 x 3 seeds at the quick budget's scale (33 runs of ~4 min:
+    # ~2.2 h on 2 CPU cores); resumable (--resume keeps finished runs), so it may span sessions.
+    "standard": Budget("standard", VARIANTS, (0, 1, 2), steps=36, prompts=8, samples=8, value_warmup_steps=3,
+                       eval_every=12, eval_prompts=32, eval_samples=16, timeout_s=600),
     "full": Budget("full", VARIANTS, (0, 1, 2), steps=200, prompts=16, samples=8, value_warmup_steps=8,
                    eval_every=10, eval_prompts=64, eval_samples=16, timeout_s=4 * 3600),
 }
