@@ -281,3 +281,20 @@ def test_chunks_lost_between_peers_are_asked_again(served: Served) -> None:
             link.close()
         a.close()
         b.close()
+
+
+def test_a_peer_this_generator_cannot_reach_safely_is_skipped(served: Served) -> None:
+    """A peer with a CURVE key for a generator without keys, or a plain-text peer off loopback:
+    no link is made (the fetch then goes to the controller), and the fallback is counted."""
+    import zmq
+
+    from vapo_async.transport.messages import RelayPeer
+
+    c = served.client("gen-a")
+    try:
+        key = zmq.curve_keypair()[0].decode()
+        assert c._peer_link(served.ann, RelayPeer(1, "tcp://127.0.0.1:9", key)) is None
+        assert c._peer_link(served.ann, RelayPeer(1, "tcp://10.255.0.9:9", "")) is None
+        assert c.fetch_stats.fallbacks == {"relay_link": 2}
+    finally:
+        c.close()

@@ -70,7 +70,7 @@ from vapo_async.transport.messages import (
     encode_group,
 )
 from vapo_async.transport.relay import PeerLink, RelayServer
-from vapo_async.transport.sockets import ClientSockets
+from vapo_async.transport.sockets import ClientSockets, InsecureEndpointError
 from vapo_async.transport.weights import (
     WeightsError,
     locate_version,
@@ -340,6 +340,25 @@ class ControllerClient:
         self.relay = RelayServer(self.cfg, dest)
         return self.relay
 
+    def _peer_link(self, ann: WeightAnnouncement, peer: RelayPeer) -> PeerLink | None:
+        """A link to ``peer``, or None (with a warning, counted as the fallback ``relay_link``) when
+        this generator cannot talk to it safely: CURVE keys on one side only, or plain text off
+        loopback without ``allow_insecure``."""
+        if peer.public_key and not self.cfg.curve.client_ready():
+            problem = "the peer uses CURVE but this generator has no transport.curve key files"
+        else:
+            try:
+                link = PeerLink(self.cfg, self._ctx, peer.address, peer.public_key)
+            except (InsecureEndpointError, OSError, ValueError) as e:
+                problem = str(e)
+            else:
+                log.info("fetching version %d from relay peer %s", ann.version, peer.address)
+                return link
+        self.fetch_stats.fallbacks["relay_link"] += 1
+        log.warning("cannot fetch version %d from relay peer %s (%s): fetching from the controller",
+                    ann.version, peer.address, problem)
+        return None
+
     def _relay_peer(self, ann: WeightAnnouncement, server: RelayServer) -> PeerLink | None:
         """Join ``ann``'s relay chain; a link to the peer to fetch from, or None (the controller).
         A controller that does not answer within ``relay.stall_s`` is taken as "from me"."""
@@ -350,8 +369,7 @@ class ControllerClient:
             if isinstance(msg, RelayPeer) and msg.version == ann.version:
                 if not msg.address:
                     return None
-                log.info("fetching version %d from relay peer %s (mine: %s)", ann.version, msg.address, server.address)
-                return PeerLink(self.cfg, self._ctx, msg.address, msg.public_key)
+                return self._peer_link(ann, msg)
             if msg is not None and not isinstance(msg, Chunk | RelayPeer):
                 self._inbox.append(msg)
         log.warning("no relay_peer answer for version %d within %.0f s: fetching from the controller",

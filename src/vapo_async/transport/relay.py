@@ -49,6 +49,7 @@ from vapo_async.transport.messages import (
 )
 from vapo_async.transport.sockets import (
     AuthorizedKeys,
+    InsecureEndpointError,
     endpoint_host,
     is_local_endpoint,
     tune_socket,
@@ -272,20 +273,25 @@ class PeerLink:
     def __init__(self, cfg: TransportConfig, ctx: zmq.Context, address: str, public_key: str) -> None:
         self.address = address
         self.cfg = cfg
+        if not public_key and not is_local_endpoint(address) and not cfg.allow_insecure:
+            raise InsecureEndpointError(f"relay peer {address} offers no CURVE key and is not on loopback "
+                                        "(transport.allow_insecure=true accepts plain text)")
         self.dealer = ctx.socket(zmq.DEALER)
-        tune_socket(self.dealer, cfg)
-        self.dealer.setsockopt(zmq.LINGER, 0)
-        self.dealer.setsockopt(zmq.SNDTIMEO, int(cfg.relay.stall_s * 1000))
-        if public_key:
-            public, secret = zmq.auth.load_certificate(str(cfg.curve.client_secret_file))
-            if secret is None:
-                raise ValueError(f"{cfg.curve.client_secret_file} holds no secret key")
-            self.dealer.curve_publickey = public
-            self.dealer.curve_secretkey = secret
-            self.dealer.curve_serverkey = public_key.encode()
-        else:
-            use_curve(cfg, [address], "client")  # plain text only where the controller link may be
-        self.dealer.connect(address)
+        try:
+            tune_socket(self.dealer, cfg)
+            self.dealer.setsockopt(zmq.LINGER, 0)
+            self.dealer.setsockopt(zmq.SNDTIMEO, int(cfg.relay.stall_s * 1000))
+            if public_key:
+                public, secret = zmq.auth.load_certificate(str(cfg.curve.client_secret_file))
+                if secret is None:
+                    raise ValueError(f"{cfg.curve.client_secret_file} holds no secret key")
+                self.dealer.curve_publickey = public
+                self.dealer.curve_secretkey = secret
+                self.dealer.curve_serverkey = public_key.encode()
+            self.dealer.connect(address)
+        except BaseException:
+            self.dealer.close(linger=0)
+            raise
 
     def send(self, frames: list) -> None:
         try:
