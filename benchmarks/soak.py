@@ -202,18 +202,23 @@ def step_times(run_dir: Path) -> list[list[float]]:
 
 
 def rss_growth(samples: list[dict[str, Any]], warmup_s: float, window_s: float) -> list[dict[str, Any]]:
-    """Per process: median RSS in [warmup, warmup + window] vs in the last window of its life."""
+    """Per process: median RSS over the window that starts ``warmup_s`` after the process's own
+    start (the run's start for those there from the beginning) vs over the last window of its
+    life; None when it did not live long enough for two separate windows. (A generator restarted
+    mid-run has its own warm-up: measured from the run's start, its baseline would be its start-up.)"""
     series: dict[str, list[tuple[float, float, str]]] = {}
     for s in samples:
         for pid, (r, mb) in s["rss"].items():
             series.setdefault(pid, []).append((s["t"], mb, r))
+    first_t = min((s["t"] for s in samples), default=0.0)
     rows = []
     for pid, pts in series.items():
         r = pts[-1][2]
-        base = [mb for t, mb, _ in pts if warmup_s <= t <= warmup_s + window_s]
+        start = warmup_s + max(0.0, pts[0][0] - first_t - 60.0)  # there from the first minute: the run's start
+        base = [mb for t, mb, _ in pts if start <= t <= start + window_s]
         last_t = pts[-1][0]
         tail = [mb for t, mb, _ in pts if t >= last_t - window_s]
-        if len(base) < 3 or last_t - window_s < warmup_s + window_s:
+        if len(base) < 3 or last_t - window_s < start + window_s:
             rows.append({"pid": int(pid), "role": r, "baseline_mb": None, "final_mb": pts[-1][1], "growth": None})
             continue
         b, f = statistics.median(base), statistics.median(tail)
@@ -320,8 +325,10 @@ Learner: {res['learner']}. The machine was shared with other jobs (load is not c
 | held-out accuracy (`eval/accuracy`, avg@16) | {held_out} | |
 | largest RSS growth after warm-up | {pct(mg)} | <= 5% ({ok(mg is not None and mg <= RSS_TARGET)}) |
 
-RSS growth = median RSS over the last {res['window_min']:.0f} min vs the median over minutes
-{res['warmup_min']:.0f}-{res['warmup_min'] + res['window_min']:.0f} (after warm-up), per process:
+RSS growth = median RSS over the last {res['window_min']:.0f} min of a process's life vs the median over
+the {res['window_min']:.0f} min that start {res['warmup_min']:.0f} min after it started (minutes
+{res['warmup_min']:.0f}-{res['warmup_min'] + res['window_min']:.0f} for the processes there from the start; a restarted
+generator has its own warm-up), per process; n/a where it did not live long enough for both windows:
 
 | process | pid | baseline MiB | final MiB | growth |
 |---|---|---|---|---|
@@ -355,6 +362,8 @@ def main() -> None:
     JSON = outputs(args.name)[0]
     if args.report_only:
         res = json.loads(JSON.read_text())
+        res["rss"] = rss_growth(res["samples"], 60 * res["warmup_min"], 60 * res["window_min"])
+        res["max_growth"] = max((g["growth"] for g in res["rss"] if g["growth"] is not None), default=None)
         res["notes"] = res.get("notes", []) + args.note
         write_report(res, args.name)
         JSON.write_text(json.dumps(res, indent=1))
