@@ -26,8 +26,10 @@ def test_gradcheck_float64() -> None:
 
 @pytest.mark.parametrize("chunk", [1, 64, 1000])
 def test_matches_full_logits_with_gradients_at_a_32k_vocabulary(chunk: int) -> None:
-    """float32, 300 tokens x 32,768 words: values and gradients within 1e-5 of their largest entry
-    from the float64 truth, and no further from it than the float32 full-logits reference is."""
+    """float32, 300 tokens x 32,768 words: values and gradients within 2e-5 of their largest entry
+    from the float64 truth, and no further from it than the float32 full-logits reference is (that
+    reference itself is 1.95e-5 off on the hidden-state gradient with torch 2.13 CPU: fp32 sums
+    over 32,768 words; chunks of 1 token are 1.1e-5 off)."""
     g = torch.Generator().manual_seed(1)
     n, hid, vocab, t = 300, 64, 32768, 0.8
     h0 = torch.randn(n, hid, generator=g)
@@ -46,7 +48,7 @@ def test_matches_full_logits_with_gradients_at_a_32k_vocabulary(chunk: int) -> N
     chunked = run(lambda h, w, i, tt: logprob_entropy(h, w, i, tt, chunk=chunk), torch.float32)
     for name, tr, ref, got in zip(("logp", "entropy", "grad hidden", "grad weight"), truth, full32, chunked, strict=True):
         err, ref_err, scale = (got - tr).abs().max().item(), (ref - tr).abs().max().item(), tr.abs().max().item()
-        assert err <= 1e-5 * scale, f"{name}: max error {err:.2e} > 1e-5 x {scale:.2f}"
+        assert err <= 2e-5 * scale, f"{name}: max error {err:.2e} > 2e-5 x {scale:.2f}"
         assert err <= 1.5 * ref_err + 1e-7 * scale, f"{name}: {err:.2e} vs the full-logits float32 {ref_err:.2e}"
     assert chunked[1].min() > 0 and chunked[0].max() < 0  # entropies > 0, log-probs < 0
 
