@@ -6,6 +6,7 @@ plan, peak RSS, and the machine's load average at the start and end of every con
     python benchmarks/bench_learner.py                    # every size, both layouts (see "How long")
     python benchmarks/bench_learner.py --quick --sizes tiny            # ~1 min
     python benchmarks/bench_learner.py --sizes 30m --layouts packed --threads 2 --name bench_learner_30m
+    python benchmarks/bench_learner.py --sizes tiny --layouts padded --quick --compile --name bench_learner_compile
 
 What is timed: one learner training step as ``LearnerModule`` runs it on one device, with the
 learner's own functions (``vapo_async.learner.batching``: ``make_plan`` and ``collate``, the
@@ -85,7 +86,7 @@ from vapo_async.data.hf_dir import TinyQwen2Shape, write_random_qwen2  # noqa: E
 from vapo_async.data.tiny_base import TinyBaseConfig  # noqa: E402
 from vapo_async.learner.batching import MicroBatch, Plan, collate, make_plan, padding_micro_batch  # noqa: E402
 from vapo_async.learner.config import BatchingConfig  # noqa: E402
-from vapo_async.learner.models import load_actor, load_critic  # noqa: E402
+from vapo_async.learner.models import compile_blocks, load_actor, load_critic  # noqa: E402
 from vapo_async.learner.update import compute_advantages, ppo_updates, recompute  # noqa: E402
 from vapo_async.transport.batch import GroupInfo, RolloutBatch  # noqa: E402
 
@@ -210,6 +211,8 @@ class Job:
     micro_batch_tokens: int
     overhead_tokens: float
     pack_row_tokens: int
+    compile: bool = False
+    """``model.compile``: ``compile_blocks`` on actor and critic, as ``configure_model`` does."""
 
 
 def step_micro_batches(local: RolloutBatch, plan: Plan, packed: bool, pad: int) -> list[MicroBatch]:
@@ -243,6 +246,9 @@ def run_job(job: Job) -> dict:
     rss_before = peak_rss_bytes()
     algo = preset("vapo")
     actor, critic = load_actor(job.model_dir), load_critic(job.model_dir)
+    if job.compile:
+        compile_blocks(actor)
+        compile_blocks(critic)
     opt_a = torch.optim.AdamW(actor.parameters(), lr=algo.actor_lr, weight_decay=WEIGHT_DECAY)
     opt_c = torch.optim.AdamW(critic.parameters(), lr=algo.critic_lr, weight_decay=WEIGHT_DECAY)
     shape = config_shape(actor.config)
@@ -262,7 +268,7 @@ def run_job(job: Job) -> dict:
         ppo_updates(actor, critic, opt_a, opt_c, prep, [plan.slots(m) for m in range(len(plan.n_micro))],
                     plan.norms, algo, TEMPERATURE, train_actor=True, backward=lambda loss: loss.backward(), seed=s)
         t3 = time.perf_counter()
-        print(f"[{job.size} {job.layout}] {'warm-up' if s == 0 else f'step {s}/{job.steps}'}: {t3 - t0:.2f} s "
+        print(f"[{job.size} {job.layout}{' compile' if job.compile else ''}] {'warm-up' if s == 0 else f'step {s}/{job.steps}'}: {t3 - t0:.2f} s "
               f"(collate {t1 - t0:.2f}, recompute + GAE {t2 - t1:.2f}, updates {t3 - t2:.2f})", file=sys.stderr, flush=True)
         if s > 0:  # the first step warms up allocators, kernels and the AdamW state
             times.append(t3 - t0)
@@ -275,7 +281,7 @@ def run_job(job: Job) -> dict:
     parts = flop_parts(seqs, *shape)
     flops = (1 + 3 * algo.ppo_epochs) * sum(parts.values())
     return {
-        "size": job.size, "layout": job.layout, "actor_params": n_params(actor), "critic_params": n_params(critic),
+        "size": job.size, "layout": job.layout, "compile": job.compile, "actor_params": n_params(actor), "critic_params": n_params(critic),
         "shape": dict(zip(("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab"),
                           shape, strict=True)), "tied_embeddings": bool(actor.config.tie_word_embeddings),
         "micro_batch_tokens": job.micro_batch_tokens, "overhead_tokens": job.overhead_tokens,
@@ -367,7 +373,7 @@ def markdown(res: dict) -> str:
     for c in res["configs"]:
         by_size.setdefault(c["size"], []).append(c)
     rows = "\n".join(
-        f"| {c['size']} | {c['layout']} | {c['n_micro']:.0f} | {c['n_rows']:.0f} | {c['step_s_median']:.2f} | "
+        f"| {c['size']} | {c['layout']}{' + compile' if c.get('compile') else ''} | {c['n_micro']:.0f} | {c['n_rows']:.0f} | {c['step_s_median']:.2f} | "
         f"{c['tokens_per_s']:.0f} | {c['achieved_flops'] / 1e9:.2f} | {100 * c['achieved_flops'] / peak:.1f}% | "
         f"{100 * c['padding_fraction']:.1f}% | {_gib(c['peak_rss_bytes'])} | {c['load_start']:.1f} -> {c['load_end']:.1f} | "
         f"{_verdict(c, peak)} |" for c in res["configs"])
@@ -483,6 +489,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="cut price of a micro-batch in tokens (the learner's CPU default)")
     ap.add_argument("--pack-row-tokens", type=int, default=cpu.pack_row_tokens,
                     help="packed row capacity (0: the batch's longest sequence)")
+    ap.add_argument("--compile", action="store_true",
+                    help="model.compile: torch.compile every transformer block (the warm-up step compiles)")
     ap.add_argument("--name", default=DEFAULT_NAME, help="results file stem in benchmarks/results/, or a path stem")
     args = ap.parse_args(argv)
     args.steps = args.steps if args.steps is not None else (1 if args.quick else 3)
@@ -503,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
     algo = preset("vapo")
     res = {
         "machine": f"{platform.platform()}, {os.cpu_count()} CPUs", "torch": torch.__version__, "threads": args.threads,
-        "steps": args.steps, "load_start": list(os.getloadavg()), "matmul_all": [matmul_rate()],
+        "steps": args.steps, "compile": args.compile, "load_start": list(os.getloadavg()), "matmul_all": [matmul_rate()],
         "batch": f"{algo.batch_groups} groups x G={algo.group_size}, prompts 40-80 tokens, responses 20-200 tokens",
         "mini_batches": algo.mini_batches, "ppo_epochs": algo.ppo_epochs,
         "batching": {"micro_batch_tokens": args.micro_batch_tokens, "overhead_tokens": args.overhead_tokens,
@@ -517,7 +525,7 @@ def main(argv: list[str] | None = None) -> None:
             model_dir = build_model_dir(SIZES[size], Path(tmp) / size)
             for layout in args.layouts:
                 job = Job(size, layout, str(model_dir), args.steps, args.threads, args.micro_batch_tokens,
-                          args.overhead_tokens, args.pack_row_tokens)
+                          args.overhead_tokens, args.pack_row_tokens, args.compile)
                 res["configs"].append(run_in_fresh_process(job))
                 res["matmul_all"].append(matmul_rate())
                 res["matmul_flops"] = max(res["matmul_all"])  # a shared machine only ever lowers it

@@ -63,6 +63,12 @@ class ModelConfig:
     """Tiny-base build settings (used when ``path`` is None)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (saves memory on long responses)."""
+    compile: bool = False
+    """``torch.compile`` every transformer block of actor and critic (dynamic shapes: one graph for
+    every micro-batch length). Off by default: on the tiny model (CPU, one thread) a step took 6.35 s
+    compiled vs 8.57 s eager (benchmarks/results/bench_learner_compile.md, _eager.md), but the first
+    step pays ~35 s of compilation at every learner start, and it is not yet measured at larger sizes
+    or on GPU."""
 
     def tiny_base_config(self) -> TinyBaseConfig:
         """``tiny`` as the data package's (frozen) ``TinyBaseConfig``."""

@@ -117,6 +117,15 @@ def shard(model: nn.Module, mesh: object, mixed_precision: torch.dtype | None = 
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """``torch.compile`` the forward of every transformer block of ``model`` in place
+    (``nn.Module.compile``: parameter names and state dicts are unchanged), with dynamic shapes so
+    micro-batches of every length share one graph. Call after ``shard``: FSDP2's hooks stay
+    outside the compiled region."""
+    for block in blocks(model):
+        block.compile(dynamic=True)
+
+
 PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 """Attention implementations that keep packed sequences apart given their ``position_ids``."""
 

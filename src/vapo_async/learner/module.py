@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader
 
 from vapo_async.learner.batching import MicroBatch, collate, padding_micro_batch
 from vapo_async.learner.config import LearnerConfig
-from vapo_async.learner.models import load_actor, load_critic, shard
+from vapo_async.learner.models import compile_blocks, load_actor, load_critic, shard
 from vapo_async.learner.publish import WeightPublishing
 from vapo_async.learner.rollouts import RolloutBatches
 from vapo_async.learner.state import RunState, StepRecord
@@ -123,6 +123,10 @@ class LearnerModule(L.LightningModule):
             for m in (self.actor, self.critic, self.ref):
                 if m is not None:
                     shard(m, mesh, mixed_precision=mp)
+        if mc.compile:
+            for m in (self.actor, self.critic):
+                if m is not None:
+                    compile_blocks(m)
 
     @property
     def ref(self) -> torch.nn.Module | None:

@@ -1,0 +1,71 @@
+"""``model.compile`` (``models.compile_blocks``): compiled transformer blocks give the eager
+model's log-probs, entropy, values and gradients on a padded and a packed micro-batch of different
+lengths (dynamic shapes), and leave parameter names unchanged (the
+weights the learner publishes and checkpoints)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from learner_helpers import make_groups
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
+
+from vapo_async.learner.batching import collate, pack_rows
+from vapo_async.learner.models import actor_logprobs, compile_blocks, critic_values
+from vapo_async.transport.batch import RolloutBatch
+
+TEMPERATURE = 0.7
+
+
+def _models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      use_cache=False, tie_word_embeddings=True)
+    actor = Qwen2ForCausalLM(cfg).float().train()
+    critic_cfg = copy.deepcopy(cfg)
+    critic_cfg.num_labels, critic_cfg.classifier_dropout = 1, 0.0
+    critic = Qwen2ForTokenClassification(critic_cfg).float().train()
+    with torch.no_grad():
+        critic.score.weight.normal_(0.0, 0.05)
+    return actor, critic
+
+
+def _run(actor, critic, mb, weights):
+    """Outputs (masked) and gradients of sum(a * logp + b * entropy + c * values)."""
+    actor.zero_grad()
+    critic.zero_grad()
+    logp, ent = actor_logprobs(actor, mb, TEMPERATURE)
+    values = critic_values(critic, mb)
+    a, b, c = weights
+    mask = mb.resp_mask
+    ((a * logp + b * ent + c * values) * mask).sum().backward()
+    grads = [p.grad.clone() for m in (actor, critic) for p in m.parameters()]
+    return [t.detach() * mask for t in (logp, ent, values)], grads
+
+
+def test_compiled_blocks_equal_eager_with_gradients() -> None:
+    eager_actor, eager_critic = _models()
+    actor, critic = copy.deepcopy(eager_actor), copy.deepcopy(eager_critic)
+    names = [n for n, _ in actor.named_parameters()], list(critic.state_dict())
+    compile_blocks(actor)
+    compile_blocks(critic)
+    # parameter names and state-dict keys unchanged (no "_orig_mod." prefix)
+    assert [n for n, _ in actor.named_parameters()] == names[0] and list(critic.state_dict()) == names[1]
+    for seed, packed in ((1, False), (2, True)):  # two micro-batch shapes and layouts
+        seqs = RolloutBatch.concat(make_groups(2, 4, vocab=512, seed=seed, max_prompt=10 + seed, max_response=20 + 7 * seed))
+        idx = list(range(seqs.n_responses))
+        rows = None
+        if packed:
+            row_of = {i: r for r, row in enumerate(pack_rows(seqs.seq_lens.tolist(), 64)) for i in row}
+            rows = [row_of[i] for i in idx]
+        mb = collate(seqs, idx, pad_id=0, rows=rows)
+        g = torch.Generator().manual_seed(seed)
+        weights = [torch.randn(mb.resp_mask.shape, generator=g) for _ in range(3)]
+        ref_out, ref_grads = _run(eager_actor, eager_critic, mb, weights)
+        out, grads = _run(actor, critic, mb, weights)
+        for name, r, x in zip(("logp", "entropy", "values"), ref_out, out, strict=True):
+            assert (x - r).abs().max() <= 1e-5 * r.abs().max() + 1e-6, (seed, name)
+        for r, x in zip(ref_grads, grads, strict=True):
+            assert (x - r).abs().max() <= 1e-4 * r.abs().max() + 1e-7, seed
