@@ -66,9 +66,9 @@ class ModelConfig:
     compile: bool = False
     """``torch.compile`` every transformer block of actor and critic (dynamic shapes: one graph for
     every micro-batch length). Off by default: on the tiny model (CPU, one thread) a step took 6.35 s
-    compiled vs 8.57 s eager (benchmarks/results/bench_learner_compile.md, _eager.md), but the first
-    step pays ~35 s of compilation at every learner start, and it is not yet measured at larger sizes
-    or on GPU."""
+    compiled vs 8.57 s eager (benchmarks/results/bench_learner_compile.md, _eager.md), at ~30M 106.4 s
+    vs 110.4 s (1.04x, bench_learner_30m_compile.md), while the first step pays 11-35 s of
+    compilation at every learner start; not yet measured on GPU."""
 
     def tiny_base_config(self) -> TinyBaseConfig:
         """``tiny`` as the data package's (frozen) ``TinyBaseConfig``."""
