@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from vapo_async.transport.batch import GroupInfo, RolloutBatch
 
@@ -30,3 +34,19 @@ def make_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0, versi
             truncated=(lens == max_response),
         ))
     return groups
+
+
+def random_actor_critic(vocab: int, max_positions: int = 512) -> tuple[Qwen2ForCausalLM, Qwen2ForTokenClassification]:
+    """A random 2-layer Qwen2 actor (hidden 64, 4/2 heads, tied output embedding, seed 0) and a
+    critic of the same shape with a random one-label value head, both fp32 in train mode."""
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                      use_cache=False, tie_word_embeddings=True)
+    actor = Qwen2ForCausalLM(cfg).float().train()
+    critic_cfg = copy.deepcopy(cfg)
+    critic_cfg.num_labels, critic_cfg.classifier_dropout = 1, 0.0
+    critic = Qwen2ForTokenClassification(critic_cfg).float().train()
+    with torch.no_grad():
+        critic.score.weight.normal_(0.0, 0.05)
+    return actor, critic

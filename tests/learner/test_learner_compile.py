@@ -8,28 +8,13 @@ from __future__ import annotations
 import copy
 
 import torch
-from learner_helpers import make_groups
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
+from learner_helpers import make_groups, random_actor_critic
 
 from vapo_async.learner.batching import collate, pack_rows
 from vapo_async.learner.models import actor_logprobs, compile_blocks, critic_values
 from vapo_async.transport.batch import RolloutBatch
 
 TEMPERATURE = 0.7
-
-
-def _models() -> tuple[torch.nn.Module, torch.nn.Module]:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      use_cache=False, tie_word_embeddings=True)
-    actor = Qwen2ForCausalLM(cfg).float().train()
-    critic_cfg = copy.deepcopy(cfg)
-    critic_cfg.num_labels, critic_cfg.classifier_dropout = 1, 0.0
-    critic = Qwen2ForTokenClassification(critic_cfg).float().train()
-    with torch.no_grad():
-        critic.score.weight.normal_(0.0, 0.05)
-    return actor, critic
 
 
 def _run(actor, critic, mb, weights):
@@ -46,7 +31,7 @@ def _run(actor, critic, mb, weights):
 
 
 def test_compiled_blocks_equal_eager_with_gradients() -> None:
-    eager_actor, eager_critic = _models()
+    eager_actor, eager_critic = random_actor_critic(vocab=512, max_positions=256)
     actor, critic = copy.deepcopy(eager_actor), copy.deepcopy(eager_critic)
     names = [n for n, _ in actor.named_parameters()], list(critic.state_dict())
     compile_blocks(actor)

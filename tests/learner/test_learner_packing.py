@@ -5,7 +5,6 @@ on a random Qwen2 with a 32,768-word vocabulary."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import types
@@ -13,9 +12,8 @@ import types
 import numpy as np
 import pytest
 import torch
-from learner_helpers import make_groups
+from learner_helpers import make_groups, random_actor_critic
 from torch import nn
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from vapo_async.algo.presets import PRESETS
 from vapo_async.learner.batching import MicroBatch, collate, make_plan, pack_rows, row_starts
@@ -223,17 +221,7 @@ def test_packed_inputs_refuse_an_attention_without_packed_support() -> None:
 def models_32k():
     """A random 2-layer Qwen2 with a 32,768-word vocabulary (tied output embedding) and a critic of
     the same shape with a random one-label value head."""
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=32768, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      use_cache=False, tie_word_embeddings=True)
-    actor = Qwen2ForCausalLM(cfg).float().train()
-    critic_cfg = copy.deepcopy(cfg)
-    critic_cfg.num_labels, critic_cfg.classifier_dropout = 1, 0.0
-    critic = Qwen2ForTokenClassification(critic_cfg).float().train()
-    with torch.no_grad():
-        critic.score.weight.normal_(0.0, 0.05)
-    return actor, critic
+    return random_actor_critic(vocab=32768)
 
 
 def _seqs_32k(seed: int) -> RolloutBatch:
