@@ -224,6 +224,24 @@ class Plan:
     """Post-hoc scoring of each ``ok`` run (closed at the end); None: the learner's own evaluation."""
 
 
+def resumable(saved: list[RunRecord], todo: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord]]:
+    """``(kept, still_to_run)`` for ``--resume``: a saved ``ok`` run is kept, and not rerun, when the
+    plan has no run of its (row, seed) or asks for it with the same overrides; one whose overrides
+    differ from the plan's (another budget or harness version) is rerun and replaced, with a notice."""
+    planned = {(r.variant, r.seed): r.overrides for r in todo}
+    kept = []
+    for rec in saved:
+        want = planned.get((rec.variant, rec.seed))
+        if rec.status != "ok":
+            continue
+        if want is not None and want != rec.overrides:
+            print(f"--resume: rerunning {rec.variant} seed {rec.seed}: saved overrides differ from the plan's")
+            continue
+        kept.append(rec)
+    finished = {(r.variant, r.seed) for r in kept}
+    return kept, [r for r in todo if (r.variant, r.seed) not in finished]
+
+
 def run_harness(args: argparse.Namespace, name: str, plan: Callable[[], Plan],
                 report: Callable[[dict[str, Any], list[RunRecord], Path], None]) -> None:
     """The main loop of harness script ``name`` after ``harness_parser``: ``--report-only``
@@ -244,9 +262,7 @@ def run_harness(args: argparse.Namespace, name: str, plan: Callable[[], Plan],
         return
     done: list[RunRecord] = []
     if args.resume and json_path.exists():
-        done = [r for r in load_records(json_path)[1] if r.status == "ok"]
-        finished = {(r.variant, r.seed) for r in done}
-        todo = [r for r in todo if (r.variant, r.seed) not in finished]
+        done, todo = resumable(load_records(json_path)[1], todo)
     t0 = time.monotonic()
     deadline = t0 + 60 * args.max_minutes if args.max_minutes else None
     args.out.mkdir(parents=True, exist_ok=True)

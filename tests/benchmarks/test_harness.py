@@ -219,3 +219,17 @@ def test_run_harness_report_only_dry_run_and_resume(tmp_path, capsys, monkeypatc
     assert names == ["vapo_s0", "ppo_s0"] and out == tmp_path and meta["skipped"] == [] and "total_wall_s" in meta
     main("--report-only")
     assert ran == ["ppo_s0"] and reports[-1][1] == ["vapo_s0", "ppo_s0"]
+
+
+def test_resume_keeps_only_runs_the_plan_asks_for_unchanged(capsys) -> None:
+    """--resume keeps an ok run with the plan's overrides, reruns one whose overrides changed (another
+    budget), reruns crashes, and keeps ok runs of rows the plan does not name (nothing is dropped)."""
+    saved = [D.RunRecord("vapo", 0, ["algo=vapo", "trainer.max_steps=36"], status="ok"),
+             D.RunRecord("ppo", 0, ["algo=ppo", "trainer.max_steps=200"], status="ok"),
+             D.RunRecord("grpo", 0, ["algo=grpo", "trainer.max_steps=36"], status="crash"),
+             D.RunRecord("dapo", 0, ["algo=dapo", "trainer.max_steps=36"], status="ok")]
+    todo = [D.RunRecord(v, 0, [f"algo={v}", "trainer.max_steps=36"]) for v in ("vapo", "ppo", "grpo")]
+    kept, rest = R.resumable(saved, todo)
+    assert [r.variant for r in kept] == ["vapo", "dapo"]
+    assert [r.variant for r in rest] == ["ppo", "grpo"]
+    assert "rerunning ppo seed 0: saved overrides differ" in capsys.readouterr().out
