@@ -3,6 +3,7 @@
     python benchmarks/ablation.py --budget quick          # <= 60 min on 2 CPU cores (documented subset)
     python benchmarks/ablation.py --budget standard --resume   # every row x 3 seeds at quick's scale (~2.2 h)
     python benchmarks/ablation.py --budget full           # every variant, 3 seeds, 200 steps
+    python benchmarks/ablation.py --budget long --resume  # the rows about long responses, data=synthetic_long
     python benchmarks/ablation.py --budget quick --dry-run   # print the commands, run nothing
     python benchmarks/ablation.py --report-only           # rebuild md/png from ablation_runs.json
 
@@ -12,7 +13,7 @@ derived from ``vapo_async.algo.presets`` (``vapo_without(x)`` / ``PRESETS[name]`
 the preset the row starts from), and the composed learner config of every row is checked against
 the intended ``AlgoConfig`` before anything runs, so the harness follows the presets as they change.
 
-Writes ``benchmarks/results/ablation.md`` (table beside the paper's Table 1, generated reading,
+Writes ``benchmarks/results/ablation.md`` (``ablation_long.*`` for the long budget) (table beside the paper's Table 1, generated reading,
 the notes in ``ablation.notes.md``), ``ablation.png`` (held-out accuracy, mean and +-1 std band per
 row) and ``ablation_runs.json`` (every run: overrides, status, curves). Raw run directories go to
 ``benchmarks/results/tmp/ablation/`` (git-ignored). Runs are sequential, seed-major (every row
@@ -69,6 +70,10 @@ class Budget:
     eval_samples: int
     timeout_s: float
     """Per-run wall-clock limit."""
+    task: tuple[str, ...] = ()
+    """Learner overrides choosing the task, the same for every row (e.g. ``data=synthetic_long``)."""
+    results: str = "ablation"
+    """Name of the results: ``RESULTS/NAME.md``, ``NAME.png``, ``NAME_runs.json``, ``NAME.notes.md``."""
 
     def evaluator(self) -> PosthocEval:
         return PosthocEval(self.eval_every, self.eval_prompts, self.eval_samples)
@@ -82,12 +87,13 @@ class Budget:
         else:
             evaluation = [f"eval.every_n_steps={self.eval_every}", f"eval.n_prompts={self.eval_prompts}",
                           f"eval.samples={self.eval_samples}", "eval.background=false"]
-        return [f"trainer.max_steps={self.steps}", *evaluation, f"checkpoint.every_n_steps={self.steps}",
+        return [*self.task, f"trainer.max_steps={self.steps}", *evaluation, f"checkpoint.every_n_steps={self.steps}",
                 "logging.histograms_every_n_steps=0", "logging.text_every_n_steps=0",
                 "trainer.enable_progress_bar=false"]
 
     def describe(self) -> str:
-        return (f"budget `{self.name}`: {len(self.variants)} rows x seeds {list(self.seeds)}; "
+        task = f"task `{' '.join(self.task)}`, " if self.task else ""
+        return (f"budget `{self.name}`: {task}{len(self.variants)} rows x seeds {list(self.seeds)}; "
                 f"{self.steps} steps of {self.prompts * self.samples} responses "
                 f"({self.prompts} prompts x {self.samples} samples; one-sample rows: "
                 f"{self.prompts * self.samples} prompts x 1), value pretraining {self.value_warmup_steps} "
@@ -106,6 +112,12 @@ BUDGETS = {
     # ~2.2 h on 2 CPU cores); resumable (--resume keeps finished runs), so it may span sessions.
     "standard": Budget("standard", VARIANTS, (0, 1, 2), steps=36, prompts=8, samples=8, value_warmup_steps=3,
                        eval_every=12, eval_prompts=32, eval_samples=16, timeout_s=600),
+    # long: the rows the paper's argument about long responses is about, on data=synthetic_long
+    # (solutions of ~25-650 tokens), at the quick budget's sample budget; ~8-10 min per run.
+    "long": Budget("long", ("vapo", "ppo", "vapo_without_decoupled_gae", "vapo_without_length_adaptive_gae",
+                            "vapo_without_value_pretraining", "grpo"), (0, 1, 2), steps=36, prompts=8, samples=8,
+                   value_warmup_steps=3, eval_every=12, eval_prompts=32, eval_samples=16, timeout_s=1500,
+                   task=("data=synthetic_long",), results="ablation_long"),
     "full": Budget("full", VARIANTS, (0, 1, 2), steps=200, prompts=16, samples=8, value_warmup_steps=8,
                    eval_every=10, eval_prompts=64, eval_samples=16, timeout_s=4 * 3600),
 }
@@ -237,38 +249,43 @@ def reading(summaries: list[C.VariantSummary], records: list[RunRecord]) -> list
     return out
 
 
-def report(meta: dict, records: list[RunRecord], threshold: float, out_dir: Path) -> None:
-    """Write ablation.md and the plots from the records."""
+def report(meta: dict, records: list[RunRecord], threshold: float, out_dir: Path, name: str = "ablation") -> None:
+    """Write NAME.md and the plots from the records."""
     variants = [v for v in meta["variants"] if any(r.variant == v for r in records)]
     summaries = [C.summarise(v, [r for r in records if r.variant == v], threshold) for v in variants]
     C.plot_curves({v: [r.curve("eval/accuracy") for r in records if r.variant == v and r.status == "ok"] for v in variants},
-                  out_dir / "ablation.png", f"Held-out accuracy (avg@16), {meta['budget']} budget, mean ± std over seeds",
+                  out_dir / f"{name}.png", f"Held-out accuracy (avg@16), {meta['budget']} budget, mean ± std over seeds",
                   "eval/accuracy", hline=threshold)
     C.plot_curves({v: [r.curve("rollout/accuracy") for r in records if r.variant == v and r.status == "ok"] for v in variants},
-                  out_dir / "ablation_rollout.png", "Training-batch accuracy (rollout/accuracy)", "rollout/accuracy")
-    notes = out_dir / "ablation.notes.md"
+                  out_dir / f"{name}_rollout.png", "Training-batch accuracy (rollout/accuracy)", "rollout/accuracy")
+    notes = out_dir / f"{name}.notes.md"
+    task = " ".join(meta.get("task", [])) or "data=synthetic"
+    lengths = {v: C.mean_std([sum(y for _, y in c) / len(c) for r in records if r.variant == v and r.status == "ok"
+                              if (c := r.curve("rollout/response_length_mean"))]) for v in variants}
     lines = [
-        "# Ablation: VAPO's Table 1 on the embedded task", "",
+        f"# Ablation: VAPO's Table 1 on the embedded task (`{task}`)", "",
         f"Produced by `python benchmarks/ablation.py --budget {meta['budget']}` on {meta['machine']}, "
         f"{meta['date']}, commit {meta['commit']}; learner wall time of all runs "
         f"{sum(r.wall_s for r in records) / 60:.0f} min.", "",
         f"What ran: {meta['description']}.",
         *([f"Skipped for time: {', '.join(meta['skipped'])}."] if meta.get("skipped") else []),
         "Every row starts from the same tiny base with the same responses per step; the overrides of "
-        "each row are listed in `ablation_runs.json`.", "",
+        f"each row are listed in `{name}_runs.json`.", "",
         table(summaries, threshold), "",
         "Final = held-out avg@16 at the last step (mean ± sample std over seeds, crashed runs excluded); "
         "AUC = time-average of the held-out accuracy curve over the run (trapezoid / span); steps to "
         "threshold = first evaluation at or above it, mean over the runs that reached it. "
         "Paper column: VAPO Table 1 (Qwen2.5-32B, AIME24 avg@32, 5,000+ steps); "
         "*GRPO is not in Table 1: 30 is the GRPO baseline of DAPO's ablation (PAPER.md).", "",
-        "![held-out accuracy](ablation.png)", "",
-        "![training accuracy](ablation_rollout.png)", "",
-        "## Reading the results", "", "Computed from the data:", "", *reading(summaries, records), "",
+        f"![held-out accuracy]({name}.png)", "",
+        f"![training accuracy]({name}_rollout.png)", "",
+        "## Reading the results", "", "Computed from the data:", "", *reading(summaries, records),
+        "- Mean response length over each run (rollout/response_length_mean, mean ± std over seeds): "
+        + "; ".join(f"{v} {m:.0f} ± {sd:.0f}" for v, (m, sd) in lengths.items() if m is not None) + " tokens.", "",
     ]
     if notes.exists():
         lines += [notes.read_text().strip(), ""]
-    (out_dir / "ablation.md").write_text("\n".join(lines))
+    (out_dir / f"{name}.md").write_text("\n".join(lines))
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -280,6 +297,7 @@ def main() -> None:
     ap.add_argument("--eval", choices=("posthoc", "learner"), default="posthoc",
                     help="held-out accuracy scored by the harness after each run (default) or by the learner")
     args = ap.parse_args()
+    name = BUDGETS[args.budget].results
 
     def plan() -> R.Plan:
         budget = BUDGETS[args.budget]
@@ -288,10 +306,11 @@ def main() -> None:
         check_rows(budget)
         todo = [RunRecord(v, s, [*algo_overrides(v, budget), *budget.common_overrides(args.eval)])
                 for s in budget.seeds for v in budget.variants]
-        meta = {**run_meta(budget.name, budget.describe(), list(budget.variants)), "eval": args.eval}
+        meta = {**run_meta(budget.name, budget.describe(), list(budget.variants)), "eval": args.eval,
+                "task": list(budget.task)}
         return R.Plan(todo, meta, budget.timeout_s, budget.evaluator() if args.eval == "posthoc" else None)
 
-    R.run_harness(args, "ablation", plan, lambda meta, records, out: report(meta, records, args.threshold, out))
+    R.run_harness(args, name, plan, lambda meta, records, out: report(meta, records, args.threshold, out, name))
 
 
 if __name__ == "__main__":

@@ -157,8 +157,12 @@ def test_algo_overrides_follow_the_presets() -> None:
 
 
 def test_rows_compose_to_the_intended_configs() -> None:
-    """Every full-budget ablation row and staleness row composes (real conf/) to its AlgoConfig."""
+    """Every full-budget ablation row, every long-task row and staleness row composes (real conf/)
+    to its AlgoConfig; the long budget's rows all run the long task and write their own results."""
     ablation.check_rows(ablation.BUDGETS["full"])
+    long = ablation.BUDGETS["long"]
+    ablation.check_rows(long)
+    assert long.common_overrides("posthoc")[0] == "data=synthetic_long" and long.results == "ablation_long"
     staleness.check_rows(dataclasses.replace(staleness.BUDGETS["quick"], etas=(0, 4)))
 
 

@@ -117,6 +117,25 @@ def test_solution_lengths_spread_from_short_to_long() -> None:
     assert tok.tokenize("1234") == ["1", "2", "3", "4"]  # digits are single tokens
 
 
+def test_long_variant_draws_event_counts_log_uniformly_and_spreads_lengths_tenfold() -> None:
+    """Difficulty 5 (data=synthetic_long): P(n) = ln((n+1)/n) / ln 41 for n in 1..40, so
+    P(1) = ln 2 / ln 41 = 0.693 / 3.714 = 0.187, P(n >= 20) = ln(41/20) / ln 41 = 0.718 / 3.714 = 0.193,
+    mean = sum n P(n) = (40 ln 41 - ln 40!) / ln 41 = (148.5 - 110.3) / 3.714 = 10.3 events."""
+    problems = make_problems(4000, seed=0, difficulty=5, split="train")
+    counts = [len(p.steps) for p in problems]
+    assert abs(counts.count(1) / 4000 - 0.187) < 0.02  # 4000 draws: s.e. 0.006
+    assert abs(sum(n >= 20 for n in counts) / 4000 - 0.193) < 0.02
+    assert abs(statistics.mean(counts) - 10.3) < 0.6  # s.e. of the mean: ~0.15
+    assert max(counts) == 40
+    markers = synthetic.event_markers(DIFFICULTIES[5].max_steps)
+    assert len(markers) == 40 and markers[:20] == synthetic.EVENT_MARKERS == synthetic.event_markers(12)
+    tok = train_tokenizer([prompt_text(p) + p.solution for p in problems[:300]], 512, split_digits=True,
+                          added_tokens=markers)
+    lengths = [len(tok(p.solution)["input_ids"]) for p in problems]
+    assert min(lengths) <= 30 and max(lengths) >= 600, (min(lengths), max(lengths))
+    assert max(lengths) >= 20 * min(lengths)  # the >= 10x spread the long task is for
+
+
 def test_difficulty_knob_raises_steps_and_operands() -> None:
     easy = make_problems(500, seed=0, difficulty=1, split="train")
     hard = make_problems(500, seed=0, difficulty=4, split="train")

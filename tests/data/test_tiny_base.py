@@ -111,6 +111,16 @@ def test_loads_and_generates_in_transformers(smoke_dir: Path) -> None:
     assert out[0, : enc["input_ids"].shape[1]].tolist() == enc["input_ids"][0].tolist()
 
 
+def test_long_task_base_keeps_event_numbers_up_to_40_whole(smoke_dir: Path, tmp_path: Path) -> None:
+    """A difficulty-5 base (data=synthetic_long) keeps (1)..(40) as single tokens; bases of the
+    other difficulties keep (1)..(20) only, so their tokenizers are what they were."""
+    cfg = dataclasses.replace(tb.smoke_config(), difficulty=5, max_position_embeddings=1024, train_steps=2)
+    tb.build_tiny_base(cfg, tmp_path / "long")
+    long_tok, tok = AutoTokenizer.from_pretrained(tmp_path / "long"), AutoTokenizer.from_pretrained(smoke_dir)
+    assert long_tok.tokenize("(40) gives")[0] == "(40)" and long_tok.tokenize("(21)") == ["(21)"]
+    assert tok.tokenize("(20)") == ["(20)"] and tok.tokenize("(21)") != ["(21)"]
+
+
 _CONCURRENT = """
 import json, sys
 from vapo_async.data import tiny_base as tb

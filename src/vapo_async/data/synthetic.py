@@ -12,7 +12,9 @@ from the running count (``benchmarks/base_errors.py``). The running count keeps
 its digit count (10-99 up to difficulty 3), so every line has the same layout. Solution length
 grows with the number of events, from about 20 to about 200 tokens with the tiny tokenizer (mean
 ~80 at difficulty 2), so that length-dependent parts of the algorithm (length-adaptive GAE,
-token-level loss) have work to do.
+token-level loss) have work to do. Difficulty 5 is the long-reasoning variant (``data=synthetic_long``):
+1 to 40 events drawn log-uniformly (most problems short, a long tail), so solutions spread from
+about 25 to about 650 tokens, far past the ~20-token horizon of GAE with lambda 0.95.
 
 Events come in two kinds: *plain* events whose verb names the direction outright ("buys", "loses"),
 and *exchange* events between two people ("gives 7 to Ben", "gets 7 from Ben", "lends", "borrows").
@@ -30,6 +32,7 @@ Departures: none (this task is ours, not a paper's).
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from dataclasses import dataclass
 from typing import Literal
@@ -38,7 +41,16 @@ from .templates import apply_template
 
 Split = Literal["train", "eval"]
 
-EVENT_MARKERS = tuple(f"({i})" for i in range(1, 21))
+
+
+def event_markers(max_steps: int = 20) -> tuple[str, ...]:
+    """``(1)``..``(n)`` with n = max(20, ``max_steps``): the event numbers a tokenizer should keep
+    whole for problems of up to ``max_steps`` events (20 for difficulties 1-4, so their bases'
+    tokenizers are unchanged)."""
+    return tuple(f"({i})" for i in range(1, max(20, max_steps) + 1))
+
+
+EVENT_MARKERS = event_markers()
 """Event numbers as they appear in questions and solutions; the tiny base's tokenizer makes each
 one a single token, so finding event i in the question is one-token induction (a 1,500-step trial,
 teacher-forced: verb copied with p 0.93 and operand 0.997, against 0.51 / 0.11 with ``(``, digit,
@@ -128,6 +140,9 @@ class DifficultySpec:
     """Running count stays in [min_value, max_value] (same digit count: fixed layout per line)."""
     max_value: int
     """Upper end of the running count."""
+    log_uniform_steps: bool = False
+    """Draw the number of events log-uniformly from [1, max_steps] (P(n) ~ 1/n: a long tail)
+    instead of the short/long split of ``LONG_SHARE`` (which then does not apply)."""
 
 
 DIFFICULTIES: dict[int, DifficultySpec] = {
@@ -135,6 +150,8 @@ DIFFICULTIES: dict[int, DifficultySpec] = {
     2: DifficultySpec(max_steps=12, max_k=9, min_value=10, max_value=99),
     3: DifficultySpec(max_steps=14, max_k=19, min_value=10, max_value=99),
     4: DifficultySpec(max_steps=16, max_k=49, min_value=100, max_value=999),
+    # the long-reasoning variant: mean ~10 events (~180 solution tokens), median ~5, up to 40 (~650)
+    5: DifficultySpec(max_steps=40, max_k=9, min_value=10, max_value=99, log_uniform_steps=True),
 }
 
 
@@ -156,10 +173,14 @@ def split_of(start: int, steps: tuple[Step, ...]) -> Split:
     return "eval" if int.from_bytes(digest[:8], "big") % 100 < EVAL_FRACTION_PERCENT else "train"
 
 
-def _num_steps(rng: random.Random, max_steps: int, long_share: float = LONG_SHARE) -> int:
+def _num_steps(rng: random.Random, spec: DifficultySpec, long_share: float = LONG_SHARE) -> int:
     """Skewed towards short problems: ``1 - long_share`` from [1, 5/12 max], the rest from above
     that up to max (difficulty 2 at the default 0.15: 1-5 or 6-12 steps, mean ~3.9, i.e. ~80
-    solution tokens)."""
+    solution tokens); with ``spec.log_uniform_steps``, floor(exp(u)) for u uniform in
+    [0, ln(max + 1)), so P(n) = ln((n + 1) / n) / ln(max + 1) (max 40: P(1) = 0.19, P(>= 20) = 0.19)."""
+    max_steps = spec.max_steps
+    if spec.log_uniform_steps:
+        return min(max_steps, int(math.exp(rng.uniform(0.0, math.log(max_steps + 1)))))
     short = max(1, max_steps * 5 // 12)
     if short == max_steps or rng.random() < 1.0 - long_share:
         return rng.randint(1, short)
@@ -218,7 +239,7 @@ def _draw_problem(
     name, *others = rng.sample(NAMES, 4)
     item = rng.choice(ITEMS)
     start = rng.randint(spec.min_value, spec.max_value)
-    steps = _draw_steps(rng, start, _num_steps(rng, spec.max_steps, long_share), spec, others)
+    steps = _draw_steps(rng, start, _num_steps(rng, spec, long_share), spec, others)
     return SyntheticProblem(
         question=_question(name, item, start, steps),
         answer=solution_answer(start, steps),

@@ -79,9 +79,9 @@ class TinyBaseConfig:
     split_digits: bool = True
     """Every digit its own token (else BPE merges numbers, e.g. " 68" becomes one token)."""
     event_marker_tokens: bool = True
-    """Event numbers ``(1)``..``(20)`` as single tokens (``synthetic.EVENT_MARKERS``). In a 1,500-step
-    trial the base then copied event verbs with p 0.93 and operands with p 0.997 (teacher-forced),
-    against 0.51 and 0.11 with ``(``, digit, ``)``."""
+    """Event numbers ``(1)``..``(20)`` (up to ``(40)`` at difficulty 5) as single tokens
+    (``synthetic.event_markers``). In a 1,500-step trial the base then copied event verbs with
+    p 0.93 and operands with p 0.997 (teacher-forced), against 0.51 and 0.11 with ``(``, digit, ``)``."""
     hidden_size: int = 128
     """Model width."""
     intermediate_size: int = 384
@@ -293,7 +293,8 @@ def build_tiny_base(cfg: TinyBaseConfig, out_dir: str | Path) -> dict[str, objec
             synthetic.prompt_text(p, cfg.template) + synthetic.imperfect_solution(p, tok_rng, cfg.error_rate)
             for p in problems[: cfg.tokenizer_problems]
         ]
-        markers = synthetic.EVENT_MARKERS if cfg.event_marker_tokens else ()
+        spec = synthetic.difficulty_spec(cfg.difficulty)
+        markers = synthetic.event_markers(spec.max_steps) if cfg.event_marker_tokens else ()
         tok = train_tokenizer(texts, cfg.vocab_size, split_digits=cfg.split_digits, added_tokens=markers)
         torch.manual_seed(cfg.seed)
         model = Qwen2ForCausalLM(qwen2_config(tok, cfg.shape())).float()
