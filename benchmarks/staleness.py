@@ -1,6 +1,7 @@
 """AReaL's staleness ablation, small: eta in {0, 1, 2, 4, 8}, with and without the behaviour weight.
 
     python benchmarks/staleness.py --budget quick          # <= 60 min on 2 CPU cores
+    python benchmarks/staleness.py --budget seeds --resume   # eta 0, 2, 4, 8 x 3 seeds
     python benchmarks/staleness.py --budget full
     python benchmarks/staleness.py --report-only           # rebuild md/png from staleness_runs.json
 
@@ -73,6 +74,10 @@ class Budget:
 
 BUDGETS = {
     "quick": Budget("quick", ETAS, (0,), steps=40, prompts=8, samples=8, value_warmup_steps=3,
+                    eval_prompts=32, eval_samples=16, timeout_s=600),
+    # seeds: eta 0, 2, 4, 8 x 3 seeds at the quick budget's scale (24 runs, ~1.8 h on 2 cores); with
+    # --resume the quick budget's seed-0 runs (same overrides) are kept, so 16 runs remain.
+    "seeds": Budget("seeds", (0, 2, 4, 8), (0, 1, 2), steps=40, prompts=8, samples=8, value_warmup_steps=3,
                     eval_prompts=32, eval_samples=16, timeout_s=600),
     "full": Budget("full", ETAS, (0, 1, 2), steps=200, prompts=16, samples=8, value_warmup_steps=8,
                    eval_prompts=64, eval_samples=16, timeout_s=4 * 3600),
