@@ -215,6 +215,20 @@ def table(summaries: list[C.VariantSummary], threshold: float) -> str:
     return C.markdown_table(header, rows)
 
 
+def difference(row: C.VariantSummary, ref: C.VariantSummary, stat: str) -> str:
+    """``row - ref`` of ``stat`` (``final`` or ``auc``) in points with twice its standard error
+    (Welch: sqrt(s1^2/n1 + s2^2/n2)) and whether it is resolved (|diff| > 2 s.e.) or within noise."""
+    m1, s1, m0, s0 = (getattr(x, f"{stat}_{k}") for x in (row, ref) for k in ("mean", "std"))
+    n1, n0 = row.runs - row.crashes, ref.runs - ref.crashes
+    if m1 is None or m0 is None or n1 < 1 or n0 < 1:
+        return "n/a"
+    if n1 < 2 or n0 < 2:
+        return f"{100 * (m1 - m0):+.1f} points (one seed: noise not estimated)"
+    se = ((s1 or 0) ** 2 / n1 + (s0 or 0) ** 2 / n0) ** 0.5
+    verdict = "resolved" if abs(m1 - m0) > 2 * se else "within seed noise"
+    return f"{100 * (m1 - m0):+.1f} points (2 s.e. {200 * se:.1f}: {verdict})"
+
+
 def reading(summaries: list[C.VariantSummary], records: list[RunRecord]) -> list[str]:
     """Sentences computed from the data: base accuracy, ranking, each row vs VAPO, paper agreement."""
     out = []
@@ -227,18 +241,13 @@ def reading(summaries: list[C.VariantSummary], records: list[RunRecord]) -> list
     by = {s.variant: s for s in summaries}
     ref = by.get("vapo")
     if ref is not None and ref.final_mean is not None:
-        n_ref = ref.runs - ref.crashes
         for s in summaries:
             if s.variant == "vapo" or s.final_mean is None:
                 continue
-            n = s.runs - s.crashes
-            se = ((s.final_std or 0) ** 2 / n + (ref.final_std or 0) ** 2 / n_ref) ** 0.5
-            diff = s.final_mean - ref.final_mean
-            verdict = "outside" if abs(diff) > 2 * se else "within"
             paper = PAPER_AIME24.get(s.variant, "").rstrip("*")
             pdiff = f"; paper: {float(paper) - 60:+.0f} points" if paper else ""
-            out.append(f"- {s.variant} - vapo: {100 * diff:+.1f} points (2 x s.e. = {200 * se:.1f}: "
-                       f"{verdict} seed noise){pdiff}.")
+            out.append(f"- {s.variant} - vapo: final {difference(s, ref, 'final')}, "
+                       f"AUC {difference(s, ref, 'auc')}{pdiff}.")
     pairs = [(s.final_mean, float(PAPER_AIME24[s.variant].rstrip("*"))) for s in summaries
              if s.final_mean is not None and s.variant in PAPER_AIME24]
     rho = spearman([a for a, _ in pairs], [b for _, b in pairs])

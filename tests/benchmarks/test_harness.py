@@ -237,3 +237,15 @@ def test_resume_keeps_only_runs_the_plan_asks_for_unchanged(capsys) -> None:
     assert [r.variant for r in kept] == ["vapo", "dapo"]
     assert [r.variant for r in rest] == ["ppo", "grpo"]
     assert "rerunning ppo seed 0: saved overrides differ" in capsys.readouterr().out
+
+
+def test_difference_labels_resolved_or_within_two_standard_errors() -> None:
+    def row(mean: float, std: float, runs: int) -> C.VariantSummary:
+        return C.VariantSummary("x", runs, 0, mean, std, mean / 2, std / 4, 0, None, None)
+
+    ref = row(0.5, 0.1, 3)
+    # final: diff 0.10; s.e. = sqrt(0.1^2/3 + 0.1^2/3) = sqrt(0.00667) = 0.0816, 2 s.e. = 16.3 points
+    assert ablation.difference(row(0.6, 0.1, 3), ref, "final") == "+10.0 points (2 s.e. 16.3: within seed noise)"
+    # AUC: means 0.30 vs 0.25, stds 0.025: 2 s.e. = 2 sqrt(2 x 0.000625/3) = 0.0408 -> +5.0 resolved
+    assert ablation.difference(row(0.6, 0.1, 3), ref, "auc") == "+5.0 points (2 s.e. 4.1: resolved)"
+    assert ablation.difference(row(0.6, 0.0, 1), ref, "final") == "+10.0 points (one seed: noise not estimated)"
