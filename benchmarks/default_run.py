@@ -3,6 +3,10 @@
     python benchmarks/default_run.py                  # 30 min budget (+ start-up)
     python benchmarks/default_run.py --minutes 10     # shorter budget
     python benchmarks/default_run.py --report-only    # rebuild md/png from the JSON
+    python benchmarks/default_run.py --set model.tiny.error_rate=0.2 --name default_run_er02
+
+``--set`` adds learner overrides to the command (the run is then the default run plus them; the
+report names them); ``--name`` is the results' file stem (default ``default_run``).
 
 Runs the README's command, ``python -m vapo_async.learner``, adding only ``hydra.run.dir`` (where
 the run goes); stops it with SIGINT once ``--minutes`` of wall time have passed (Lightning stops
@@ -12,7 +16,7 @@ TensorBoard scalars and records held-out accuracy (``eval/accuracy``: avg@16 at 
 64 held-out synthetic problems, every 10 steps and at step 0) against wall time and steps, with
 the rollout accuracy and throughput figures. Target: held-out accuracy >= 85% within 30 minutes.
 
-Writes benchmarks/results/default_run.{json,md,png}.
+Writes benchmarks/results/{name}.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -42,21 +46,25 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
 
 
-def ensure_base() -> float:
-    """Build/reuse the tiny base outside the timed run; returns the seconds it took."""
+def ensure_base(overrides: list[str]) -> float:
+    """Build/reuse the run's tiny base (the learner config composed with ``overrides``) outside the
+    timed run; returns the seconds it took."""
     t = time.time()
-    subprocess.run([sys.executable, "-c", "from vapo_async.data.tiny_base import ensure_tiny_base, TinyBaseConfig; "
-                    "print(ensure_tiny_base(TinyBaseConfig()))"], env=_env(), check=True)
+    code = ("import sys; from vapo_async.learner.__main__ import compose_config; "
+            "from vapo_async.data.tiny_base import ensure_tiny_base; "
+            "cfg = compose_config(sys.argv[1:]); "
+            "print(ensure_tiny_base(cfg.model.tiny_base_config()) if cfg.model.path is None else cfg.model.path)")
+    subprocess.run([sys.executable, "-c", code, *overrides], env=_env(), check=True)
     return time.time() - t
 
 
-def run(run_dir: Path, minutes: float) -> tuple[float, int, float]:
-    """The default command; returns (wall seconds, exit code, start time)."""
+def run(run_dir: Path, minutes: float, overrides: list[str]) -> tuple[float, int, float]:
+    """The default command plus ``overrides``; returns (wall seconds, exit code, start time)."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     start = time.time()
-    log = open(run_dir.parent / "default_run.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "vapo_async.learner", f"hydra.run.dir={run_dir}"], env=_env(),
+    log = open(run_dir.parent / f"{run_dir.name}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "vapo_async.learner", f"hydra.run.dir={run_dir}", *overrides], env=_env(),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         proc.wait(timeout=minutes * 60)
@@ -83,9 +91,11 @@ def _load_start(res: dict) -> str:
     return "not recorded" if value is None else f"{value:.1f}"
 
 
-def write_report(res: dict) -> None:
+def write_report(res: dict, name: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "default_run.json").write_text(json.dumps(res, indent=1))
+    (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1))
+    extra = " ".join(res.get("overrides", []))
+    command = "python -m vapo_async.learner" + (f" {extra}" if extra else "")
     ev = res["curves"].get("eval/accuracy", [])
     base = ev[0][2] if ev else float("nan")
     best = max((p[2] for p in ev), default=float("nan"))
@@ -98,7 +108,7 @@ def write_report(res: dict) -> None:
     steps = res["curves"].get("train/version", [])
     md = f"""# The default run, measured
 
-Command: `python -m vapo_async.learner` (only `hydra.run.dir` added), stopped after {res['budget_min']:.0f} min
+Command: `{command}` (only `hydra.run.dir` added), stopped after {res['budget_min']:.0f} min
 of wall time. Machine: {res['machine']}; 1-min load average at the end {res['load_end']:.1f} (it counts the run's
 own learner, generator and vLLM threads; the load before the run: {_load_start(res)}).
 Tiny base: {'built before the run in ' + format(res['base_build_s'], '.0f') + ' s (not counted)' if res['base_build_s'] > 30 else 'cached'}.
@@ -113,9 +123,9 @@ Held-out accuracy (`eval/accuracy`: avg@16, temperature 1.0, 64 held-out synthet
 Base model: {100 * base:.1f}%. Target >= {100 * TARGET:.0f}% within 30 min: **{verdict}**.
 {'Final within budget: ' + format(100 * final[2], '.1f') + '% at ' + format(final[1], '.1f') + ' min.' if final else ''}
 
-Curves: default_run.png (held-out and rollout accuracy against wall time and steps).
+Curves: {name}.png (held-out and rollout accuracy against wall time and steps).
 """
-    (RESULTS / "default_run.md").write_text(md)
+    (RESULTS / f"{name}.md").write_text(md)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,31 +144,35 @@ Curves: default_run.png (held-out and rollout accuracy against wall time and ste
     axes[0].axvline(res["budget_min"], color="k", ls="--", lw=0.8)
     axes[0].set_ylabel("accuracy")
     axes[0].legend(fontsize=8)
-    fig.suptitle("Default run: tiny base, synthetic task, VAPO, 1 local generator (2 CPU cores)")
+    fig.suptitle("Default run" + (f" + {extra}" if extra else "") + ": tiny base, synthetic task, VAPO, "
+                 "1 local generator (2 CPU cores)", fontsize=9 if extra else None)
     fig.tight_layout()
-    fig.savefig(RESULTS / "default_run.png", dpi=120)
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--set", nargs="*", default=[], help="learner overrides added to the command")
+    ap.add_argument("--name", default="default_run", help="results file stem")
     args = ap.parse_args()
     if args.report_only:
-        write_report(json.loads((RESULTS / "default_run.json").read_text()))
-        print((RESULTS / "default_run.md").read_text())
+        write_report(json.loads((RESULTS / f"{args.name}.json").read_text()), args.name)
+        print((RESULTS / f"{args.name}.md").read_text())
         return
-    build_s = ensure_base()
+    build_s = ensure_base(args.set)
     load_start = os.getloadavg()[0]
-    run_dir = RESULTS / "tmp" / "default_run"
+    run_dir = RESULTS / "tmp" / args.name
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    wall, code, start = run(run_dir, args.minutes)
+    wall, code, start = run(run_dir, args.minutes, args.set)
     res = {"machine": f"{platform.platform()}, {os.cpu_count()} CPUs", "budget_min": args.minutes,
+           "overrides": args.set,
            "base_build_s": build_s, "wall_s": wall, "returncode": code, "load_end": os.getloadavg()[0],
            "load_start": load_start,
            "curves": read_curves(run_dir / "tb", start)}
-    write_report(res)
-    print((RESULTS / "default_run.md").read_text())
+    write_report(res, args.name)
+    print((RESULTS / f"{args.name}.md").read_text())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from vapo_async.data.synthetic import (
     imperfect_solution,
     make_problems,
     prompt_text,
+    single_error_solution,
     split_of,
 )
 
@@ -106,6 +107,28 @@ def test_imperfect_solutions_flip_exchange_signs_and_propagate() -> None:
             flipped += sign != s.sign
         wrong += answer != p.answer
     assert flipped > 300 and wrong > 150  # error_rate 1.0 flips (almost) every exchange step
+
+
+def test_single_error_solutions_hold_at_most_one_flip_whatever_the_length() -> None:
+    problems = make_problems(400, seed=1, split="train")
+    rng = random.Random(0)
+    wrong_by_length: dict[bool, list[bool]] = {False: [], True: []}
+    for p in problems:
+        assert single_error_solution(p, rng, 0.0) == p.solution
+        _, steps, answer = check_arithmetic(single_error_solution(p, rng, 1.0))
+        flips = [i for i, (s, line) in enumerate(zip(p.steps, steps, strict=True))
+                 if (1 if line["op"] == "+" else -1) != s.sign]
+        assert len(flips) <= 1 and all(p.steps[i].is_exchange for i in flips)
+        # one flip of an operand k moves the answer by 2k != 0, so a flipped solution is always wrong
+        assert (answer != p.answer) == (len(flips) == 1)
+        if any(s.is_exchange for s in p.steps):  # then a flip that stays in range almost always exists
+            wrong_by_length[len(p.steps) >= 6].append(answer != p.answer)
+    assert sum(wrong_by_length[True]) / len(wrong_by_length[True]) > 0.9
+    assert sum(wrong_by_length[False]) / len(wrong_by_length[False]) > 0.9
+    # at error_rate 0.5 about half the solutions are wrong, short and long alike: 400 draws,
+    # binomial s.d. sqrt(400 * 0.25) = 10, so 200 +- 40 is a 4-sigma band
+    wrong = sum(check_arithmetic(single_error_solution(p, rng, 0.5))[2] != p.answer for p in problems)
+    assert 160 <= wrong <= 240
 
 
 def test_solution_lengths_spread_from_short_to_long() -> None:

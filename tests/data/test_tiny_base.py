@@ -8,6 +8,7 @@ which shares one engine with the evaluation tests.)
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import subprocess
 import sys
@@ -64,6 +65,12 @@ def test_cache_key_and_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     assert tb.config_key(dataclasses.replace(cfg, error_rate=cfg.error_rate + 0.1)) != tb.config_key(cfg)
     assert tb.config_key(dataclasses.replace(cfg, template="dapo")) != tb.config_key(cfg)
     assert tb.config_key(dataclasses.replace(cfg, long_share=0.5)) != tb.config_key(cfg)
+    assert tb.config_key(dataclasses.replace(cfg, error_mode="one_per_solution")) != tb.config_key(cfg)
+    # error_mode came after bases were cached: at its default it stays out of the key, so the key
+    # is the one computed from the fields without it (cached default builds stay valid)
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("cache_dir", "log_every", "error_mode")}
+    payload = {"build_version": tb.BUILD_VERSION, "template": tb.resolve_template(cfg.template), **fields}
+    assert tb.config_key(cfg) == hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
     monkeypatch.setenv("VAPO_CACHE", str(tmp_path))
     assert tb.model_dir(cfg).parent == tmp_path / "tiny_base"
     assert tb.model_dir(dataclasses.replace(cfg, cache_dir=str(tmp_path / "c"))).parent == tmp_path / "c"
@@ -73,6 +80,8 @@ def test_cache_key_and_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
         tb.TinyBaseConfig(error_rate=1.5)
     with pytest.raises(ValueError, match="long_share"):
         tb.TinyBaseConfig(long_share=-0.5)
+    with pytest.raises(ValueError, match="error_mode.*'per_token'"):
+        tb.TinyBaseConfig(error_mode="per_token")
 
 
 def test_batches_use_the_rl_prompt_and_train_on_completions_only() -> None:

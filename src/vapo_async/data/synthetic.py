@@ -280,28 +280,53 @@ def make_problems(
     return out
 
 
+def _flip_stays_in_range(problem: SyntheticProblem, i: int, value: int, sign: int) -> bool:
+    """Whether writing step ``i`` with ``-sign`` from the running count ``value`` keeps the path it
+    starts (later steps with their own signs) inside [min_value, max_value]."""
+    spec = difficulty_spec(problem.difficulty)
+    rest = value - sign * problem.steps[i].k
+    if not spec.min_value <= rest <= spec.max_value:
+        return False
+    for later in problem.steps[i + 1 :]:
+        rest += later.sign * later.k
+        if not spec.min_value <= rest <= spec.max_value:
+            return False
+    return True
+
+
 def imperfect_solution(problem: SyntheticProblem, rng: random.Random, error_rate: float) -> str:
     """A worked solution that flips the sign of each exchange step with probability ``error_rate``.
 
     A flip is skipped when the path it starts (later steps with their own signs) would leave
     [min_value, max_value], so wrong paths keep the layout of right ones.
     """
-    spec = difficulty_spec(problem.difficulty)
     flips: set[int] = set()
     value = problem.start
     for i, s in enumerate(problem.steps):
         sign = s.sign
-        if s.is_exchange and rng.random() < error_rate:
-            rest = value - sign * s.k
-            path = [rest]
-            for later in problem.steps[i + 1 :]:
-                rest += later.sign * later.k
-                path.append(rest)
-            if all(spec.min_value <= v <= spec.max_value for v in path):
-                sign = -sign
-                flips.add(i)
+        if s.is_exchange and rng.random() < error_rate and _flip_stays_in_range(problem, i, value, sign):
+            sign = -sign
+            flips.add(i)
         value += sign * s.k
     return render_solution(problem.start, problem.steps, frozenset(flips))
+
+
+def single_error_solution(problem: SyntheticProblem, rng: random.Random, error_rate: float) -> str:
+    """A worked solution that, with probability ``error_rate``, flips the sign of one exchange step
+    drawn uniformly from those whose flip keeps the path in range (else it is right).
+
+    Unlike :func:`imperfect_solution`, the chance that a solution is wrong does not grow with the
+    number of events: a base trained on it is about as often right on long problems as on short ones.
+    """
+    if rng.random() >= error_rate:
+        return problem.solution
+    candidates, value = [], problem.start
+    for i, s in enumerate(problem.steps):
+        if s.is_exchange and _flip_stays_in_range(problem, i, value, s.sign):
+            candidates.append(i)
+        value += s.sign * s.k
+    flips = frozenset([rng.choice(candidates)]) if candidates else frozenset()
+    return render_solution(problem.start, problem.steps, flips)
 
 
 def prompt_text(problem: SyntheticProblem, template: str = "answer_line") -> str:

@@ -13,7 +13,9 @@ vLLM load. Building it:
    (``synthetic.imperfect_solution``), and the error propagates to the final ``Answer:`` line. The
    arithmetic itself is always right, so the base learns the correct procedure and the answer format,
    but samples a wrong sign at exchange steps about ``error_rate`` of the time: reinforcement learning
-   has room to raise accuracy by sharpening those few decisions.
+   has room to raise accuracy by sharpening those few decisions. With ``error_mode=one_per_solution``
+   a solution instead holds at most one flipped sign (``synthetic.single_error_solution``), so the
+   base's chance of a right answer no longer falls with the number of events.
 
 The cache directory is ``cfg.cache_dir``, else ``$VAPO_CACHE/tiny_base``, else
 ``~/.cache/vapo_async/tiny_base``; each build lives in ``tiny_base-<hash of the config>``. A build
@@ -56,6 +58,10 @@ BUILD_VERSION = 3
 INFO_FILE = "BUILD_INFO.json"
 REQUIRED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "model.safetensors", INFO_FILE)
 _NOT_IN_KEY = ("cache_dir", "log_every")
+_KEY_ONLY_IF_SET = {"error_mode": "per_step"}
+"""Fields added after bases were cached: they enter the key only away from these defaults, so the
+keys (and cached builds) of existing configs stay valid."""
+ERROR_MODES = ("per_step", "one_per_solution")
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,14 @@ class TinyBaseConfig:
     error_rate: float = 0.5
     """Probability that an imperfect solution flips the sign of an exchange step (a flip that would
     leave the value range is skipped, so about 0.42 of exchange signs are wrong in training). At 0.4
-    the base's held-out accuracy was 45.7%, at the top of issue 3's 15-45% band."""
+    the base's held-out accuracy was 45.7%, at the top of issue 3's 15-45% band. With
+    ``error_mode=one_per_solution``: the probability that a solution holds one flipped sign."""
+    error_mode: str = "per_step"
+    """How training solutions go wrong: ``per_step`` flips each exchange step's sign independently
+    (``synthetic.imperfect_solution``: long solutions are almost always wrong, so the base rarely
+    solves long problems even in 16 tries); ``one_per_solution`` flips one exchange step in a share
+    ``error_rate`` of solutions (``synthetic.single_error_solution``: wrong about as often on long
+    problems as on short ones)."""
     template: str = "answer_line"
     """Prompt template (``data.templates``); must match the RL run's ``data.template``."""
     vocab_size: int = 512
@@ -125,6 +138,8 @@ class TinyBaseConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.error_rate <= 1.0:
             raise ValueError(f"tiny_base.error_rate must be in [0, 1], got {self.error_rate}")
+        if self.error_mode not in ERROR_MODES:
+            raise ValueError(f"tiny_base.error_mode must be one of {ERROR_MODES}, got {self.error_mode!r}")
         if not 0.0 <= self.long_share <= 1.0:
             raise ValueError(f"tiny_base.long_share must be in [0, 1], got {self.long_share}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -171,7 +186,8 @@ def cache_root(cfg: TinyBaseConfig) -> Path:
 
 def config_key(cfg: TinyBaseConfig) -> str:
     """Hash of everything that changes the built model (recipe version, template text, config)."""
-    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_IN_KEY}
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in _NOT_IN_KEY and _KEY_ONLY_IF_SET.get(k, object()) != v}
     payload = {"build_version": BUILD_VERSION, "template": resolve_template(cfg.template), **fields}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -212,6 +228,12 @@ def ensure_tiny_base(cfg: TinyBaseConfig = TinyBaseConfig()) -> Path:
     return final
 
 
+def _training_solution(cfg: TinyBaseConfig, problem: synthetic.SyntheticProblem, rng: random.Random) -> str:
+    """One pre-training solution of ``problem`` with errors drawn as ``cfg.error_mode`` says."""
+    make = synthetic.single_error_solution if cfg.error_mode == "one_per_solution" else synthetic.imperfect_solution
+    return make(problem, rng, cfg.error_rate)
+
+
 def _examples(
     cfg: TinyBaseConfig, tok: PreTrainedTokenizerFast, problems: list[synthetic.SyntheticProblem]
 ) -> Iterator[tuple[list[int], int]]:
@@ -220,7 +242,7 @@ def _examples(
     while True:
         p = problems[rng.randrange(len(problems))]
         prompt = tok(synthetic.prompt_text(p, cfg.template))["input_ids"]
-        completion = tok(synthetic.imperfect_solution(p, rng, cfg.error_rate))["input_ids"]
+        completion = tok(_training_solution(cfg, p, rng))["input_ids"]
         yield prompt + completion + [tok.eos_token_id], len(prompt)
 
 
@@ -290,7 +312,7 @@ def build_tiny_base(cfg: TinyBaseConfig, out_dir: str | Path) -> dict[str, objec
         )
         tok_rng = random.Random(f"{cfg.seed}|tokenizer")
         texts = [
-            synthetic.prompt_text(p, cfg.template) + synthetic.imperfect_solution(p, tok_rng, cfg.error_rate)
+            synthetic.prompt_text(p, cfg.template) + _training_solution(cfg, p, tok_rng)
             for p in problems[: cfg.tokenizer_problems]
         ]
         spec = synthetic.difficulty_spec(cfg.difficulty)
