@@ -144,8 +144,8 @@ Curves: {name}.png (held-out and rollout accuracy against wall time and steps).
     axes[0].axvline(res["budget_min"], color="k", ls="--", lw=0.8)
     axes[0].set_ylabel("accuracy")
     axes[0].legend(fontsize=8)
-    fig.suptitle("Default run" + (f" + {extra}" if extra else "") + ": tiny base, synthetic task, VAPO, "
-                 "1 local generator (2 CPU cores)", fontsize=9 if extra else None)
+    fig.suptitle("Default run: tiny base, synthetic task, VAPO, 1 local generator (2 CPU cores)"
+                 + (f"\nwith {extra}" if extra else ""), fontsize=10 if extra else None)
     fig.tight_layout()
     fig.savefig(RESULTS / f"{name}.png", dpi=120)
 
