@@ -249,3 +249,22 @@ def test_difference_labels_resolved_or_within_two_standard_errors() -> None:
     # AUC: means 0.30 vs 0.25, stds 0.025: 2 s.e. = 2 sqrt(2 x 0.000625/3) = 0.0408 -> +5.0 resolved
     assert ablation.difference(row(0.6, 0.1, 3), ref, "auc") == "+5.0 points (2 s.e. 4.1: resolved)"
     assert ablation.difference(row(0.6, 0.0, 1), ref, "final") == "+10.0 points (one seed: noise not estimated)"
+
+
+def test_bases_are_built_once_before_the_timed_runs(tmp_path: Path) -> None:
+    """Two seeds of one row and a second row share one base: ensure_bases builds it once, into the
+    cache the runs read, so no run spends its timeout building it."""
+    from vapo_async.data import tiny_base as tb
+    from vapo_async.learner.__main__ import compose_config
+
+    small = [f"model.tiny.cache_dir={tmp_path}", "model.tiny.train_steps=2", "model.tiny.hidden_size=64",
+             "model.tiny.intermediate_size=128", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
+             "model.tiny.num_kv_heads=1", "model.tiny.vocab_size=320", "model.tiny.n_train_problems=200",
+             "model.tiny.tokenizer_problems=100", "model.tiny.batch_size=4", "model.tiny.warmup_steps=1",
+             "model.tiny.bucket_batches=2", "model.tiny.num_threads=1"]
+    todo = [D.RunRecord("vapo", 0, ["algo=vapo", *small]), D.RunRecord("vapo", 1, ["algo=vapo", *small]),
+            D.RunRecord("ppo", 0, ["algo=ppo", *small])]
+    R.ensure_bases(todo)
+    built = [d for d in tmp_path.iterdir() if d.is_dir()]
+    assert built == [tb.model_dir(compose_config(small).model.tiny_base_config())]
+    assert (built[0] / "model.safetensors").exists()
