@@ -63,14 +63,14 @@ for cfg in {m.tiny_base_config() for m in models if m.path is None}:
 """
 
 
-def ensure_bases(todo: Sequence[RunRecord]) -> float:
-    """Build (or find in the cache) every tiny base the runs of ``todo`` start from, before any
-    timed run: a base built inside a run counts against its timeout (the long task's base takes
+def ensure_bases(overrides: Iterable[Sequence[str]]) -> float:
+    """Build (or find in the cache) every tiny base that learner runs with these ``overrides``
+    start from, before any timed run: a base built inside a run counts against its timeout (the long task's base takes
     ~27 min on 2 cores, past ``--budget long``'s 25-min limit). Returns the seconds it took."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH", "")) if p)
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-c", _BUILD_BASES, json.dumps(sorted({tuple(r.overrides) for r in todo}))],
+    subprocess.run([sys.executable, "-c", _BUILD_BASES, json.dumps(sorted({tuple(o) for o in overrides}))],
                    env=env, check=True)
     return time.monotonic() - t0
 
@@ -288,7 +288,7 @@ def run_harness(args: argparse.Namespace, name: str, plan: Callable[[], Plan],
         done, todo = resumable(load_records(json_path)[1], todo)
     t0 = time.monotonic()
     if todo:
-        p.meta["base_build_s"] = round(ensure_bases(todo), 1)
+        p.meta["base_build_s"] = round(ensure_bases(r.overrides for r in todo), 1)
     deadline = t0 + 60 * args.max_minutes if args.max_minutes else None
     args.out.mkdir(parents=True, exist_ok=True)
     try:

@@ -34,6 +34,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))  # this checkout's package (common.procs)
+sys.path.insert(0, str(REPO / "benchmarks"))
+import _runs as R  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results"
 TARGET = 0.85
 TAGS = ("eval/accuracy", "rollout/accuracy", "rollout/reward_mean", "rollout/response_length_mean",
@@ -44,18 +47,6 @@ TAGS = ("eval/accuracy", "rollout/accuracy", "rollout/reward_mean", "rollout/res
 
 def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
-
-
-def ensure_base(overrides: list[str]) -> float:
-    """Build/reuse the run's tiny base (the learner config composed with ``overrides``) outside the
-    timed run; returns the seconds it took."""
-    t = time.time()
-    code = ("import sys; from vapo_async.learner.__main__ import compose_config; "
-            "from vapo_async.data.tiny_base import ensure_tiny_base; "
-            "cfg = compose_config(sys.argv[1:]); "
-            "print(ensure_tiny_base(cfg.model.tiny_base_config()) if cfg.model.path is None else cfg.model.path)")
-    subprocess.run([sys.executable, "-c", code, *overrides], env=_env(), check=True)
-    return time.time() - t
 
 
 def run(run_dir: Path, minutes: float, overrides: list[str]) -> tuple[float, int, float]:
@@ -161,7 +152,7 @@ def main() -> None:
         write_report(json.loads((RESULTS / f"{args.name}.json").read_text()), args.name)
         print((RESULTS / f"{args.name}.md").read_text())
         return
-    build_s = ensure_base(args.set)
+    build_s = R.ensure_bases([args.set])
     load_start = os.getloadavg()[0]
     run_dir = RESULTS / "tmp" / args.name
     run_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -264,7 +264,7 @@ def test_bases_are_built_once_before_the_timed_runs(tmp_path: Path) -> None:
              "model.tiny.bucket_batches=2", "model.tiny.num_threads=1"]
     todo = [D.RunRecord("vapo", 0, ["algo=vapo", *small]), D.RunRecord("vapo", 1, ["algo=vapo", *small]),
             D.RunRecord("ppo", 0, ["algo=ppo", *small])]
-    R.ensure_bases(todo)
+    R.ensure_bases(r.overrides for r in todo)
     built = [d for d in tmp_path.iterdir() if d.is_dir()]
     assert built == [tb.model_dir(compose_config(small).model.tiny_base_config())]
     assert (built[0] / "model.safetensors").exists()
