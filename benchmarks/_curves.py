@@ -100,6 +100,19 @@ def summarise(variant: str, records: Sequence[RunRecord], threshold: float,
                           mean_std(hits)[0], mean_std([r.wall_s for r in ok])[0])
 
 
+def difference(m1: float | None, s1: float | None, n1: int, m0: float | None, s0: float | None,
+               n0: int) -> str:
+    """``mean1 - mean0`` of two groups of runs (fractions) in points, with twice its standard error
+    (Welch: sqrt(s1^2/n1 + s0^2/n0)) and whether it is resolved (|diff| > 2 s.e.) or within noise."""
+    if m1 is None or m0 is None or n1 < 1 or n0 < 1:
+        return "n/a"
+    if n1 < 2 or n0 < 2:
+        return f"{100 * (m1 - m0):+.1f} points (one seed: noise not estimated)"
+    se = ((s1 or 0) ** 2 / n1 + (s0 or 0) ** 2 / n0) ** 0.5
+    verdict = "resolved" if abs(m1 - m0) > 2 * se else "within seed noise"
+    return f"{100 * (m1 - m0):+.1f} points (2 s.e. {200 * se:.1f}: {verdict})"
+
+
 def fmt_mean_std(mean: float | None, std: float | None, scale: float = 1.0, digits: int = 1,
                  n: int | None = None) -> str:
     """``"61.2 ± 3.4"`` (values times ``scale``), ``"61.2 (n=1)"`` for a single run, ``"–"`` when

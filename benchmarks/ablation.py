@@ -216,17 +216,9 @@ def table(summaries: list[C.VariantSummary], threshold: float) -> str:
 
 
 def difference(row: C.VariantSummary, ref: C.VariantSummary, stat: str) -> str:
-    """``row - ref`` of ``stat`` (``final`` or ``auc``) in points with twice its standard error
-    (Welch: sqrt(s1^2/n1 + s2^2/n2)) and whether it is resolved (|diff| > 2 s.e.) or within noise."""
+    """``row - ref`` of ``stat`` (``final`` or ``auc``): ``_curves.difference`` over the ok runs."""
     m1, s1, m0, s0 = (getattr(x, f"{stat}_{k}") for x in (row, ref) for k in ("mean", "std"))
-    n1, n0 = row.runs - row.crashes, ref.runs - ref.crashes
-    if m1 is None or m0 is None or n1 < 1 or n0 < 1:
-        return "n/a"
-    if n1 < 2 or n0 < 2:
-        return f"{100 * (m1 - m0):+.1f} points (one seed: noise not estimated)"
-    se = ((s1 or 0) ** 2 / n1 + (s0 or 0) ** 2 / n0) ** 0.5
-    verdict = "resolved" if abs(m1 - m0) > 2 * se else "within seed noise"
-    return f"{100 * (m1 - m0):+.1f} points (2 s.e. {200 * se:.1f}: {verdict})"
+    return C.difference(m1, s1, row.runs - row.crashes, m0, s0, ref.runs - ref.crashes)
 
 
 def reading(summaries: list[C.VariantSummary], records: list[RunRecord]) -> list[str]:

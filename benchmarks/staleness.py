@@ -1,9 +1,10 @@
 """AReaL's staleness ablation, small: eta in {0, 1, 2, 4, 8}, with and without the behaviour weight.
 
     python benchmarks/staleness.py --budget quick          # <= 60 min on 2 CPU cores
-    python benchmarks/staleness.py --budget seeds --resume   # eta 0, 2, 4, 8 x 3 seeds
+    python benchmarks/staleness.py --budget seeds --resume   # eta 0, 2, 4, 8 x 3 seeds: staleness_seeds.*
     python benchmarks/staleness.py --budget full
     python benchmarks/staleness.py --report-only           # rebuild md/png from staleness_runs.json
+    python benchmarks/staleness.py --budget seeds --report-only   # ... from staleness_seeds_runs.json
 
 Each row is ``python -m vapo_async.learner algo=vapo algo.eta=ETA`` with one local generator, from
 the same tiny base with the same sample budget; "decoupled" keeps the preset's capped behaviour
@@ -12,7 +13,8 @@ weight pi_prox / pi_behav (AReaL's decoupled objective), "no weight" sets ``algo
 correction). Reported: final held-out accuracy, trained tokens (prompt + response) per wall second
 of the policy steps, and the staleness actually observed. Writes ``staleness.md`` (beside AReaL's
 Table 2 numbers, with the notes of ``staleness.notes.md``), ``staleness.png`` and
-``staleness_runs.json``; raw runs in ``benchmarks/results/tmp/staleness/`` (git-ignored).
+``staleness_runs.json`` (``staleness_seeds.*`` for the seeds budget; every difference labelled
+resolved or within seed noise); raw runs in ``benchmarks/results/tmp/NAME/`` (git-ignored).
 
 Departure: AReaL's "naive PPO" centres the clip on pi_behav (ratio pi_theta / pi_behav); the
 learner has no such mode, so the "no weight" rows are the closest switch it offers (see the md).
@@ -50,6 +52,8 @@ class Budget:
     eval_prompts: int
     eval_samples: int
     timeout_s: float
+    results: str = "staleness"
+    """Name of the results: ``RESULTS/NAME.md``, ``NAME.png``, ``NAME_runs.json``, ``NAME.notes.md``."""
 
     def overrides(self, eta: int, mode: str) -> list[str]:
         """The row's learner overrides (held-out evaluation at step 0 and at the last step only, so
@@ -75,10 +79,10 @@ class Budget:
 BUDGETS = {
     "quick": Budget("quick", ETAS, (0,), steps=40, prompts=8, samples=8, value_warmup_steps=3,
                     eval_prompts=32, eval_samples=16, timeout_s=600),
-    # seeds: eta 0, 2, 4, 8 x 3 seeds at the quick budget's scale (24 runs, ~1.8 h on 2 cores); with
-    # --resume the quick budget's seed-0 runs (same overrides) are kept, so 16 runs remain.
+    # seeds: eta 0, 2, 4, 8 x 3 seeds at the quick budget's scale (24 runs, ~1.8 h on 2 cores), all at
+    # one code basis, in their own files (staleness_seeds.*) beside the one-seed quick table.
     "seeds": Budget("seeds", (0, 2, 4, 8), (0, 1, 2), steps=40, prompts=8, samples=8, value_warmup_steps=3,
-                    eval_prompts=32, eval_samples=16, timeout_s=600),
+                    eval_prompts=32, eval_samples=16, timeout_s=600, results="staleness_seeds"),
     "full": Budget("full", ETAS, (0, 1, 2), steps=200, prompts=16, samples=8, value_warmup_steps=8,
                    eval_prompts=64, eval_samples=16, timeout_s=4 * 3600),
 }
@@ -105,10 +109,11 @@ def mean_of(record: RunRecord, tag: str) -> float | None:
     return sum(v for _, v in pts) / len(pts) if pts else None
 
 
-def report(meta: dict, records: list[RunRecord], out_dir: Path) -> None:
-    """Write staleness.md and staleness.png from the records."""
+def report(meta: dict, records: list[RunRecord], out_dir: Path, name: str = "staleness") -> None:
+    """Write NAME.md and NAME.png from the records (the notes of NAME.notes.md appended)."""
     etas = sorted({int(r.variant.split("_")[0][3:]) for r in records})
     rows, acc, tps = [], {m: [] for m in MODES}, {m: [] for m in MODES}
+    stats: dict[tuple[int, str], tuple[float | None, float | None, int]] = {}
     base = None
     for eta in etas:
         cells: list[object] = [eta]
@@ -117,6 +122,7 @@ def report(meta: dict, records: list[RunRecord], out_dir: Path) -> None:
             ok = [r for r in runs if r.status == "ok"]
             finals = [v for v in (C.final_value(r.curve("eval/accuracy")) for r in ok) if v is not None]
             f = C.mean_std(finals)
+            stats[eta, mode] = (*f, len(finals))
             t = C.mean_std([v for v in (C.throughput(r) for r in ok) if v is not None])
             st = C.mean_std([v for v in (mean_of(r, "async/staleness_mean") for r in ok) if v is not None])
             if mode == "decoupled" and eta == etas[0] and t[0]:
@@ -131,7 +137,7 @@ def report(meta: dict, records: list[RunRecord], out_dir: Path) -> None:
     for mode in ("decoupled", "no weight"):
         header += [f"{mode}: final acc (%)", f"{mode}: tokens/s", f"{mode}: staleness", f"{mode}: crashed"]
     header.append("AReaL AIME24: decoupled / naive")
-    plot(etas, acc, tps, out_dir / "staleness.png")
+    plot(etas, acc, tps, out_dir / f"{name}.png")
     reading = []
     start = C.mean_std([r.curve("eval/accuracy")[0][1] for r in records if r.curve("eval/accuracy")])
     if start[0] is not None:
@@ -142,9 +148,10 @@ def report(meta: dict, records: list[RunRecord], out_dir: Path) -> None:
             reading.append(f"- {mode}: final accuracy " + ", ".join(f"eta {e}: {100 * a:.1f}" for e, a, _ in pairs)
                            + "; throughput vs decoupled eta " + f"{etas[0]}: "
                            + ", ".join(f"{t / base:.2f}x" if t and base else "–" for _, _, t in pairs) + ".")
+    reading += differences(etas, stats)
     reading.append("- AReaL (1.5B): throughput 396.8k tok/s unbounded vs 128.7k at eta 0 (3.08x); "
                    "accuracy held to eta 8 with the decoupled objective, naive PPO fell to 23.3 at eta 4.")
-    notes = out_dir / "staleness.notes.md"
+    notes = out_dir / f"{name}.notes.md"
     lines = [
         "# Staleness: AReaL's Table 2 on the embedded task", "",
         f"Produced by `python benchmarks/staleness.py --budget {meta['budget']}` on {meta['machine']}, "
@@ -158,12 +165,25 @@ def report(meta: dict, records: list[RunRecord], out_dir: Path) -> None:
         "versions between a token's sampler and the step that trains it). \"no weight\" = `algo.behav_cap=null`: "
         "no pi_prox / pi_behav correction, clip centred on the recomputed pi_prox; AReaL's naive PPO "
         "instead centres the clip on pi_behav.", "",
-        "![staleness](staleness.png)", "",
+        f"![staleness]({name}.png)", "",
         "## Reading the results", "", "Computed from the data:", "", *reading, "",
     ]
     if notes.exists():
         lines += [notes.read_text().strip(), ""]
-    (out_dir / "staleness.md").write_text("\n".join(lines))
+    (out_dir / f"{name}.md").write_text("\n".join(lines))
+
+
+def differences(etas: list[int], stats: dict[tuple[int, str], tuple[float | None, float | None, int]]) -> list[str]:
+    """Sentences on final accuracy: each eta against eta ``etas[0]`` per mode, and decoupled against
+    no weight per eta, each labelled resolved or within seed noise (``_curves.difference``)."""
+    out = []
+    for mode in MODES:
+        ref = stats[etas[0], mode]
+        out.append(f"- {mode}, each eta minus eta {etas[0]}: "
+                   + "; ".join(f"eta {e}: {C.difference(*stats[e, mode], *ref)}" for e in etas[1:]) + ".")
+    out.append("- decoupled minus no weight: "
+               + "; ".join(f"eta {e}: {C.difference(*stats[e, 'decoupled'], *stats[e, 'noweight'])}" for e in etas) + ".")
+    return out
 
 
 def plot(etas: list[int], acc: dict[str, list[float | None]], tps: dict[str, list[float | None]], path: Path) -> None:
@@ -207,7 +227,8 @@ def main() -> None:
         meta = run_meta(budget.name, budget.describe(), [row(e, m) for e in budget.etas for m in MODES])
         return R.Plan(todo, meta, budget.timeout_s)
 
-    R.run_harness(args, "staleness", plan, report)
+    name = BUDGETS[args.budget].results
+    R.run_harness(args, name, plan, lambda meta, records, out: report(meta, records, out, name))
 
 
 if __name__ == "__main__":
