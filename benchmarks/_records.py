@@ -24,7 +24,8 @@ CURVE_TAGS = (
     "perf/learner_tokens_per_s", "perf/step_s", "batch/tokens", "async/staleness_mean",
     "async/dropped_stale", "async/staleness_max", "train/value_warmup", "train/version",
     "critic/explained_variance", "actor/entropy", "actor/behav_weight_mean", "perf/learner_idle_fraction",
-    "perf/wait_s", "rollout/response_tokens",
+    "perf/wait_s", "rollout/response_tokens", "actor/behav_weight_max", "actor/behav_capped_frac",
+    "actor/clip_fraction", "actor/approx_kl", "critic/value_loss", "critic/trained_fraction",
 )
 """Scalars kept in every run record (the rest of the TensorBoard file is not committed)."""
 

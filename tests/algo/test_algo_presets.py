@@ -75,7 +75,7 @@ def test_lambdas_follow_the_switches() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("clip_low", 1.0), ("behav_mode", "clip"), ("aggregation", "mean"), ("alpha", 0.0), ("eta", -1), ("behav_cap", 0.5), ("group_size", 0),
+    [("clip_low", 1.0), ("behav_mode", "clip"), ("proximal", "old"), ("aggregation", "mean"), ("alpha", 0.0), ("eta", -1), ("behav_cap", 0.5), ("group_size", 0),
      ("responses_per_step", 0), ("samples_per_prompt", 0), ("value_pretraining_steps", -1)],
 )
 def test_validate_names_the_bad_field(field: str, value: object) -> None:

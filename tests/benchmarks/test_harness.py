@@ -251,6 +251,20 @@ def test_difference_labels_resolved_or_within_two_standard_errors() -> None:
     assert ablation.difference(row(0.6, 0.0, 1), ref, "final") == "+10.0 points (one seed: noise not estimated)"
 
 
+def test_staleness_switch_rows_and_differences() -> None:
+    # the switches budget: decoupled at eta 0 and 8, each switch at eta 8 only
+    assert staleness.BUDGETS["switches"].pairs() == [(0, "decoupled"), (8, "decoupled"), (8, "naive"), (8, "cap2"),
+                                                     (8, "critic1")]
+    assert len(staleness.BUDGETS["seeds"].pairs()) == 8  # eta 0, 2, 4, 8 x {decoupled, noweight}
+    stats = {(0, "decoupled"): (0.70, 0.03, 3), (8, "decoupled"): (0.56, 0.03, 3), (8, "naive"): (0.40, 0.06, 3)}
+    lines = staleness.differences([0, 8], ["decoupled", "naive"], stats)
+    # eta 8 decoupled - eta 0: -14.0; s.e. sqrt(0.03^2/3 * 2) = 0.0245, 2 s.e. 4.9 points -> resolved
+    assert lines[0] == "- decoupled minus decoupled at eta 0: eta 8: -14.0 points (2 s.e. 4.9: resolved)."
+    # naive - decoupled at eta 8: -16.0; s.e. sqrt(0.0036/3 + 0.0009/3) = 0.0387, 2 s.e. 7.7 -> resolved
+    assert lines[2] == ("- naive PPO (clip on pi_behav) minus decoupled at the same eta: "
+                        "eta 8: -16.0 points (2 s.e. 7.7: resolved).")
+
+
 def test_bases_are_built_once_before_the_timed_runs(tmp_path: Path) -> None:
     """Two seeds of one row and a second row share one base: ensure_bases builds it once, into the
     cache the runs read, so no run spends its timeout building it."""

@@ -17,10 +17,12 @@ from vapo_async.algo.stats import masked_whiten
 from vapo_async.learner.batching import MinibatchNorms, collate, make_plan
 from vapo_async.learner.models import load_actor, load_critic
 from vapo_async.learner.update import (
+    Prepared,
     StepCounters,
     actor_micro_loss,
     compute_advantages,
     critic_micro_loss,
+    limit_critic_staleness,
     ppo_updates,
     recompute,
 )
@@ -62,9 +64,12 @@ def _by_hand_logp(actor, seqs: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor
     return logp, mask
 
 
-def test_actor_loss_equals_algo_by_hand(models, tiny_model_dir):
+@pytest.mark.parametrize("proximal", ["recompute", "behaviour"])
+def test_actor_loss_equals_algo_by_hand(models, tiny_model_dir, proximal):
+    """``proximal="behaviour"`` (AReaL's naive PPO) centres the clip on the generator's log-probs,
+    which make_groups draws at random, far from the model's: the two cases differ."""
     actor, critic = models
-    algo = _algo(nll_coef=0.1, aggregation="token", whiten_advantages=True)
+    algo = _algo(nll_coef=0.1, aggregation="token", whiten_advantages=True, proximal=proximal)
     seqs = RolloutBatch.concat(make_groups(3, 4, vocab=300, seed=11))
     # micro-batches of <= 40 padded tokens: several micro-batches, so the scaling is exercised
     plan = make_plan(seqs, 1, 1, 40, torch.Generator().manual_seed(0))
@@ -98,6 +103,8 @@ def test_actor_loss_equals_algo_by_hand(models, tiny_model_dir):
         adv, _ = gae(rewards, values, mask, algo.gamma, lam)
         adv = masked_whiten(adv, mask)
     behav = full.logp_behav
+    if proximal == "behaviour":
+        old = behav
     pg, _ = L.policy_loss(logp, old, behav, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
                           behav_cap=algo.behav_cap, behav_mode=algo.behav_mode, aggregation=algo.aggregation)
     nll = L.positive_nll_loss(logp, mask, torch.from_numpy(local.correct))
@@ -135,6 +142,48 @@ def test_critic_loss_equals_algo_by_hand(models):
     expected, _ = L.value_loss(values, old, ret, full.resp_mask, clip=algo.value_clip,
                                aggregation=algo.aggregation)
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_limit_critic_staleness_keeps_recent_tokens() -> None:
+    # learner at version 5, limit 1: tokens of versions 4 and 5 stay (5 - 4 = 1 <= 1); version 3
+    # (staleness 2) and padding (mask 0) are left out
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    versions = torch.tensor([[3, 5, 4], [5, 2, 0]])
+    mb = collate(RolloutBatch.concat(make_groups(1, 2, vocab=50, seed=1)), [0, 1], pad_id=0)
+    prep = [Prepared(mb=dataclasses.replace(mb, resp_mask=mask, versions=versions), logp_prox=torch.zeros(2, 3),
+                     values=torch.zeros(2, 3))]
+    limit_critic_staleness(prep, 5, None)
+    assert prep[0].value_mask is None
+    limit_critic_staleness(prep, 5, 1)
+    assert prep[0].value_mask.tolist() == [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    limit_critic_staleness(prep, 5, 0)
+    assert prep[0].value_mask.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_critic_loss_skips_stale_tokens_by_hand(models):
+    """``algo.critic_max_staleness``: groups sampled at version 0 and 3, learner at version 4, limit
+    1: the loss is the value loss over the version-3 tokens only, over the denominator of all tokens."""
+    actor, critic = models
+    algo = _algo(critic_max_staleness=1)
+    groups = make_groups(2, 3, vocab=300, seed=14, version=0) + make_groups(2, 3, vocab=300, seed=15, version=3)
+    seqs = RolloutBatch.concat(groups)
+    full = collate(seqs, list(range(seqs.n_responses)), pad_id=0)
+    prep = recompute(actor, critic, [full], TEMPERATURE)
+    compute_advantages(prep, algo)
+    limit_critic_staleness(prep, 4, algo.critic_max_staleness)
+    norms = MinibatchNorms(tokens=float(full.resp_mask.sum()), seqs=float(seqs.n_responses), pos_tokens=1.0, pos_seqs=1.0)
+    counters = StepCounters()
+    total = critic_micro_loss(critic, prep[0], norms, algo, counters)
+    recent = full.resp_mask * (full.versions == 3)
+    assert 0 < float(recent.sum()) < float(full.resp_mask.sum())
+    values = critic(input_ids=full.input_ids, attention_mask=full.attention_mask).logits.squeeze(-1)
+    values = values.gather(1, full.resp_index) * full.resp_mask
+    ret = full.rewards[:, None] * full.resp_mask  # lambda_critic = gamma = 1: the sequence reward
+    # token aggregation: sum over kept tokens of 0.5 (V - R)^2 / all tokens
+    expected = 0.5 * (((values - ret) ** 2) * recent).sum() / full.resp_mask.sum()
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
+    fraction = counters.reduce()["critic/trained_fraction"]
+    assert fraction == pytest.approx(float(recent.sum() / full.resp_mask.sum()))
 
 
 def test_value_pretraining_leaves_actor_bit_identical(tiny_model_dir):

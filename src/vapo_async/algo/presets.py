@@ -85,6 +85,10 @@ class AlgoConfig:
     """Cap on the behaviour weight pi_prox / pi_behav; None disables the weight."""
     behav_mode: str = "mask"
     """"mask": zero tokens above the cap (AReaL); "truncate": cap the weight (TIS)."""
+    proximal: str = "recompute"
+    """The policy the clip is centred on. "recompute": pi_prox, the learner's weights at the start of
+    the step, with the behaviour weight pi_prox / pi_behav (AReaL's decoupled objective);
+    "behaviour": pi_behav, the sampler's log-probs (AReaL's naive PPO; the weight is then 1)."""
     aggregation: str = "token"
     """"token": eq. 7 token-level mean; "sequence": per-response mean, then mean."""
     value_clip: float | None = None
@@ -119,6 +123,10 @@ class AlgoConfig:
     """Passes over each global batch."""
     eta: int = 4
     """Staleness bound: a batch may hold samples from up to eta policy versions back; 0 = synchronous."""
+    critic_max_staleness: int | None = None
+    """The critic trains only on tokens sampled at most this many versions back (their returns are
+    those of a policy close to today's); older tokens still get advantages and train the actor, and
+    stay in the loss's denominator. None: every token (the papers)."""
     actor_lr: float = 5e-5
     """AdamW learning rate of the policy."""
     critic_lr: float = 2e-4
@@ -168,6 +176,7 @@ class AlgoConfig:
             ("clip_high", self.clip_high >= 0.0),
             ("behav_cap", self.behav_cap is None or self.behav_cap >= 1.0),
             ("behav_mode", self.behav_mode in ("truncate", "mask")),
+            ("proximal", self.proximal in ("recompute", "behaviour")),
             ("aggregation", self.aggregation in ("token", "sequence")),
             ("value_clip", self.value_clip is None or self.value_clip > 0.0),
             ("nll_coef", self.nll_coef >= 0.0),
@@ -183,6 +192,7 @@ class AlgoConfig:
             ("value_pretraining_steps", self.value_pretraining_steps >= 0),
             ("ppo_epochs", self.ppo_epochs >= 1),
             ("eta", self.eta >= 0),
+            ("critic_max_staleness", self.critic_max_staleness is None or self.critic_max_staleness >= 0),
             ("actor_lr", self.actor_lr > 0.0),
             ("critic_lr", self.critic_lr > 0.0),
             ("warmup_steps", self.warmup_steps >= 0),
@@ -214,6 +224,7 @@ _RULES = {
     "clip_high": ">= 0",
     "behav_cap": "None or >= 1 (on-policy tokens have weight 1)",
     "behav_mode": "one of 'truncate', 'mask'",
+    "proximal": "one of 'recompute', 'behaviour'",
     "aggregation": "one of 'token', 'sequence'",
     "value_clip": "None or > 0",
     "nll_coef": ">= 0",
@@ -229,6 +240,7 @@ _RULES = {
     "value_pretraining_steps": ">= 0",
     "ppo_epochs": ">= 1",
     "eta": ">= 0",
+    "critic_max_staleness": "None or >= 0",
     "actor_lr": "> 0",
     "critic_lr": "> 0",
     "warmup_steps": ">= 0",

@@ -58,6 +58,7 @@ from vapo_async.learner.update import (
     Prepared,
     batch_is_finite,
     compute_advantages,
+    limit_critic_staleness,
     mismatch,
     ppo_updates,
     recompute,
@@ -267,6 +268,7 @@ class LearnerModule(L.LightningModule):
             return False
         rec.metrics["train/skipped_nonfinite_batch"] = 0.0
         rec.metrics.update(self._mismatch(prep))
+        limit_critic_staleness(prep, self.state.version, self.algo.critic_max_staleness)
         weights = [torch.exp(p.logp_prox - p.mb.logp_behav)[p.mask > 0] for p in prep]
         rec.behav_weights = torch.cat(weights).float().cpu() if weights else None
         opts = self._optimizers()

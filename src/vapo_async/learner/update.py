@@ -60,6 +60,9 @@ class Prepared:
     """(b, Tr) critic targets (None without a critic)."""
     ref_logp: torch.Tensor | None = None
     """(b, Tr) log-probs of the frozen reference policy (only with a KL term)."""
+    value_mask: torch.Tensor | None = None
+    """(b, Tr) float 1 on the tokens the critic trains on (None: every response token;
+    ``limit_critic_staleness``)."""
 
     @property
     def mask(self) -> torch.Tensor:
@@ -255,7 +258,9 @@ def actor_micro_loss(actor: nn.Module, p: Prepared, norms: MinibatchNorms, algo:
     if n_tok == 0:  # padding micro-batch: keep the collectives, contribute nothing
         return logp.sum() * 0.0
     norm = _normalizer(algo.aggregation, norms)
-    loss, metrics = L.policy_loss(logp, p.logp_prox, mb.logp_behav, p.advantages, mask,
+    # algo.proximal = "behaviour": AReaL's naive PPO, the clip centred on the sampler's policy
+    prox = mb.logp_behav if algo.proximal == "behaviour" else p.logp_prox
+    loss, metrics = L.policy_loss(logp, prox, mb.logp_behav, p.advantages, mask,
                                   clip_low=algo.clip_low, clip_high=algo.clip_high, behav_cap=algo.behav_cap,
                                   behav_mode=algo.behav_mode, aggregation=algo.aggregation, normalizer=norm)
     counters.add_metrics("actor", metrics, n_tok)
@@ -285,20 +290,35 @@ def _local_count(aggregation: str, mask: torch.Tensor) -> float:
     return max(float((mask.sum(dim=1) > 0).sum()), 1.0)
 
 
+def limit_critic_staleness(prep: list[Prepared], version: int, max_staleness: int | None) -> None:
+    """Set each micro-batch's ``value_mask`` to its response tokens sampled at most
+    ``max_staleness`` versions before ``version`` (``algo.critic_max_staleness``; None: leave all)."""
+    if max_staleness is None:
+        return
+    for p in prep:
+        recent = (version - p.mb.versions) <= max_staleness  # (b, Tr)
+        p.value_mask = p.mask * recent.to(p.mask.dtype)
+
+
 def critic_micro_loss(critic: nn.Module, p: Prepared, norms: MinibatchNorms, algo: AlgoConfig,
                       counters: StepCounters) -> torch.Tensor:
-    """This micro-batch's part of the value loss, normalised like ``actor_micro_loss``."""
+    """This micro-batch's part of the value loss, normalised like ``actor_micro_loss`` (tokens
+    left out by ``value_mask`` add nothing but stay in the denominator, like masked behaviour weights;
+    with none kept the loss is 0 and the metric names are still registered, for ``reduce``)."""
     values = critic_values(critic, p.mb)  # (b, Tr)
     n_tok = float(p.mask.sum())
     if n_tok == 0:
         return values.sum() * 0.0
     assert p.values is not None and p.returns is not None
+    mask = p.mask if p.value_mask is None else p.value_mask
+    n_kept = float(mask.sum())
+    counters.add("critic/trained_fraction", n_kept / n_tok, n_tok)
     norm = _normalizer(algo.aggregation, norms)
-    loss, metrics = L.value_loss(values, p.values, p.returns, p.mask, clip=algo.value_clip,
+    loss, metrics = L.value_loss(values, p.values, p.returns, mask, clip=algo.value_clip,
                                  aggregation=algo.aggregation, normalizer=norm)
-    counters.add_metrics("critic", metrics, n_tok,
+    counters.add_metrics("critic", metrics, n_kept,
                          skip=("explained_variance", "value_mean", "return_mean"))  # pre-update, global: see compute_advantages
-    counters.add("critic/value_loss", loss.detach() * norm / _local_count(algo.aggregation, p.mask), n_tok)
+    counters.add("critic/value_loss", loss.detach() * norm / _local_count(algo.aggregation, mask), n_kept)
     return loss
 
 
