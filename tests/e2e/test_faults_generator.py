@@ -257,8 +257,14 @@ def test_sigkill_three_times_with_restarts_loses_nothing(make_run, pool: Generat
     # each kill's leases were re-issued: by their deadline (expired), or at once when a reply to
     # the dead peer proved unroutable (the controller then forgets the session: released). Which
     # of the two happens depends on timing, so only their sum is certain.
+    # A lease seen active may still deliver: the victim can send its group between our look and the
+    # SIGKILL (or the group is already on the socket). Those items are not re-issued; every other held
+    # item must be.
+    delivered_by = {g.admission_index: g.generator_id for g in [*run.groups(), *run.dropped]}
+    lost = [[i for i in k["held"] if delivered_by.get(i) != k["victim"]] for k in kills]
+    assert sum(map(bool, lost)) >= 2, f"too few kills caught work in flight to test re-issue: {kills}"
     ended = acc.get("leases_expired", 0) + acc.get("leases_released", 0)
-    assert acc.get("reissued", 0) >= 3 and ended >= 3, acc
+    assert acc.get("reissued", 0) >= sum(map(len, lost)) and ended >= sum(map(bool, lost)), (acc, lost)
     wait = _max_wait(run, t0)
     assert wait <= LEASE_S + SAMPLE_SLACK_S, f"the consumer stalled {wait:.1f} s (lease timeout {LEASE_S} s)"
     by_gen = run.by_generator()

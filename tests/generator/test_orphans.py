@@ -53,13 +53,13 @@ def _kill_and_watch(tiny_model_dir: Path, tmp_path: Path, endpoint: str) -> None
             assert time.monotonic() < deadline, f"engine did not start:\n{log_path.read_text()[-3000:]}"
             time.sleep(0.2)
         descendants = psutil.Process(gen.pid).children(recursive=True)
-        names = sorted(p.name() for p in descendants)
+        names = sorted(_names(descendants))  # a short-lived helper may exit while we look
         assert any("EngineCore" in n for n in names), f"expected vLLM's EngineCore among {names}"
         gen.send_signal(signal.SIGKILL)  # kill -9 / the OOM killer: no cleanup code runs in the generator
         gen.wait(10)
         _, alive = psutil.wait_procs(descendants, timeout=15)
         assert not alive, (f"descendants outlived the SIGKILLed generator by 15 s: "
-                           f"{[(p.pid, p.name()) for p in alive]} of {names}\n{log_path.read_text()[-2000:]}")
+                           f"{_names(alive)} of {names}\n{log_path.read_text()[-2000:]}")
     finally:
         for p in [psutil.Process(gen.pid), *descendants] if gen.poll() is None else descendants:
             try:
@@ -67,3 +67,14 @@ def _kill_and_watch(tiny_model_dir: Path, tmp_path: Path, endpoint: str) -> None
             except psutil.NoSuchProcess:
                 pass
         gen.wait(10)
+
+
+def _names(procs: list[psutil.Process]) -> list[str]:
+    """Names of those of ``procs`` still running."""
+    out = []
+    for p in procs:
+        try:
+            out.append(p.name())
+        except psutil.NoSuchProcess:
+            pass
+    return out
