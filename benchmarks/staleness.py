@@ -2,6 +2,8 @@
 
     python benchmarks/staleness.py --budget quick          # <= 60 min on 2 CPU cores
     python benchmarks/staleness.py --budget seeds --resume   # eta 0, 2, 4, 8 x 3 seeds: staleness_seeds.*
+    python benchmarks/staleness.py --budget switches --resume   # one switch each at eta 8: staleness_switches.*
+    python benchmarks/staleness.py --budget lag      # eta 8 trained 48 steps: staleness_lag.*
     python benchmarks/staleness.py --budget full
     python benchmarks/staleness.py --report-only           # rebuild md/png from staleness_runs.json
     python benchmarks/staleness.py --budget seeds --report-only   # ... from staleness_seeds_runs.json
@@ -16,8 +18,8 @@ Table 2 numbers, with the notes of ``staleness.notes.md``), ``staleness.png`` an
 ``staleness_runs.json`` (``staleness_seeds.*`` for the seeds budget; every difference labelled
 resolved or within seed noise); raw runs in ``benchmarks/results/tmp/NAME/`` (git-ignored).
 
-Departure: AReaL's "naive PPO" centres the clip on pi_behav (ratio pi_theta / pi_behav); the
-learner has no such mode, so the "no weight" rows are the closest switch it offers (see the md).
+AReaL's "naive PPO" (clip centred on pi_behav, ratio pi_theta / pi_behav) is the "naive" row,
+``algo.proximal=behaviour``; "no weight" keeps the clip on pi_prox without the behaviour weight.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _curves as C  # noqa: E402
 import _runs as R  # noqa: E402
+from _posthoc import PosthocEval  # noqa: E402
 from _records import RunRecord, run_meta  # noqa: E402
 
 ETAS = (0, 1, 2, 4, 8)
@@ -67,6 +70,20 @@ class Budget:
     eta0_modes: tuple[str, ...] | None = None
     """... except at eta 0, where only these run when set (a switch about stale samples changes
     nothing there)."""
+    posthoc_every: int | None = None
+    """None: the learner evaluates at step 0 and the last step. Else the harness scores the run's kept
+    versions after it (``PosthocEval``) at step 0, every this many steps and the last."""
+
+    def eval_steps(self) -> list[int]:
+        """The steps whose held-out accuracy is reported."""
+        every = self.posthoc_every or self.steps
+        return sorted({0, self.steps, *range(0, self.steps + 1, every)})
+
+    def evaluator(self) -> PosthocEval | None:
+        """The after-the-run evaluation, when this budget asks for one."""
+        if self.posthoc_every is None:
+            return None
+        return PosthocEval(self.posthoc_every, self.eval_prompts, self.eval_samples)
 
     def pairs(self) -> list[tuple[int, str]]:
         """(eta, mode) of every row, eta-major."""
@@ -79,9 +96,11 @@ class Budget:
         out = ["algo=vapo", f"algo.eta={eta}", f"algo.group_size={self.samples}",
                f"algo.batch_groups={self.prompts}", f"algo.value_warmup_steps={self.value_warmup_steps}"]
         out += MODES[mode][0]
-        return [*out, f"trainer.max_steps={self.steps}", f"eval.every_n_steps={self.steps}",
-                f"eval.n_prompts={self.eval_prompts}", f"eval.samples={self.eval_samples}",
-                f"checkpoint.every_n_steps={self.steps}", "logging.histograms_every_n_steps=0",
+        ev = self.evaluator()
+        evaluation = ev.learner_overrides() if ev else [
+            f"eval.every_n_steps={self.steps}", f"eval.n_prompts={self.eval_prompts}",
+            f"eval.samples={self.eval_samples}"]
+        return [*out, f"trainer.max_steps={self.steps}", *evaluation, f"checkpoint.every_n_steps={self.steps}", "logging.histograms_every_n_steps=0",
                 "logging.text_every_n_steps=0", "trainer.enable_progress_bar=false",
                 "eval.background=false"]
 
@@ -91,8 +110,8 @@ class Budget:
         return (f"budget `{self.name}`: eta {list(self.etas)} x {{{kinds}}}{only} x seeds "
                 f"{list(self.seeds)}; VAPO, {self.steps} steps of {self.prompts} prompts x {self.samples} "
                 f"samples ({self.value_warmup_steps} of them value pretraining), one local generator; "
-                f"held-out avg@{self.eval_samples} on {self.eval_prompts} prompts at steps 0 and "
-                f"{self.steps}; timeout {self.timeout_s / 60:.0f} min/run")
+                f"held-out avg@{self.eval_samples} on {self.eval_prompts} prompts at steps {self.eval_steps()}"
+                f"{' (scored after the run)' if self.posthoc_every else ''}; timeout {self.timeout_s / 60:.0f} min/run")
 
 
 BUDGETS = {
@@ -108,6 +127,12 @@ BUDGETS = {
     "switches": Budget("switches", (0, 8), (0, 1, 2), steps=40, prompts=8, samples=8, value_warmup_steps=3,
                        eval_prompts=32, eval_samples=16, timeout_s=600, results="staleness_switches",
                        modes=("decoupled", "naive", "cap2", "critic1"), eta0_modes=("decoupled",)),
+    # lag: decoupled at eta 8 trained 48 steps instead of 40 (3 seeds, ~15 min): does eta 8 reach
+    # eta 0's step-40 accuracy once it has had the ~6 steps its samples lag behind?
+    # Scored after each run at steps 0, 40 and 48 (the same run seen at both lengths).
+    "lag": Budget("lag", (8,), (0, 1, 2), steps=48, prompts=8, samples=8, value_warmup_steps=3,
+                  eval_prompts=32, eval_samples=16, timeout_s=720, results="staleness_lag",
+                  modes=("decoupled",), posthoc_every=40),
     "full": Budget("full", ETAS, (0, 1, 2), steps=200, prompts=16, samples=8, value_warmup_steps=8,
                    eval_prompts=64, eval_samples=16, timeout_s=4 * 3600),
 }
@@ -284,7 +309,7 @@ def main() -> None:
         check_rows(budget)
         todo = [RunRecord(row(e, m), s, budget.overrides(e, m)) for s in budget.seeds for e, m in budget.pairs()]
         meta = run_meta(budget.name, budget.describe(), [row(e, m) for e, m in budget.pairs()])
-        return R.Plan(todo, meta, budget.timeout_s)
+        return R.Plan(todo, meta, budget.timeout_s, budget.evaluator())
 
     name = BUDGETS[args.budget].results
     R.run_harness(args, name, plan, lambda meta, records, out: report(meta, records, out, name))
