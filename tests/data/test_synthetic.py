@@ -159,6 +159,29 @@ def test_long_variant_draws_event_counts_log_uniformly_and_spreads_lengths_tenfo
     assert max(lengths) >= 20 * min(lengths)  # the >= 10x spread the long task is for
 
 
+def test_event_tail_reweights_long_variant_event_counts_by_the_power_law() -> None:
+    """``event_tail`` t draws floor(x), x ~ x^-t on [1, 41). At t = 2 the density is 41/40 x^-2, so
+    P(n) = 41/40 (1/n - 1/(n+1)): P(1) = 41/40 * 1/2 = 0.5125, P(n >= 20) = 41/40 (1/20 - 1/41)
+    = 1.025 * 0.02561 = 0.0263, mean = 41/40 sum_{n=1..40} 1/(n+1) = 1.025 (H_41 - 1)
+    = 1.025 * 3.3007 = 3.383 events (the task's t = 1: 10.3)."""
+    spec = DIFFICULTIES[5]
+    rng = random.Random(7)
+    draws = [synthetic._num_steps(rng, spec, event_tail=2.0) for _ in range(40_000)]
+    assert abs(draws.count(1) / 40_000 - 0.5125) < 0.01  # s.e. 0.0025
+    assert abs(sum(n >= 20 for n in draws) / 40_000 - 0.0263) < 0.004  # s.e. 0.0008
+    assert abs(statistics.mean(draws) - 3.383) < 0.1  # s.d. ~5.6 -> s.e. 0.03
+    assert 1 <= min(draws) and max(draws) == 40
+    # t = 1 is the task's own distribution: the same draws as without the argument
+    a, b = random.Random(3), random.Random(3)
+    assert [synthetic._num_steps(a, spec) for _ in range(500)] == [
+        synthetic._num_steps(b, spec, event_tail=1.0) for _ in range(500)]
+    assert make_problems(50, seed=3, difficulty=5) == make_problems(50, seed=3, difficulty=5, event_tail=1.0)
+    # distinct problems: fewer short ones than the draw (1-event duplicates are skipped) but far
+    # fewer long ones than the task's 19%
+    counts = [len(p.steps) for p in make_problems(2000, seed=0, difficulty=5, event_tail=2.0)]
+    assert sum(n >= 20 for n in counts) / 2000 < 0.06 and counts.count(1) / 2000 > 0.4
+
+
 def test_difficulty_knob_raises_steps_and_operands() -> None:
     easy = make_problems(500, seed=0, difficulty=1, split="train")
     hard = make_problems(500, seed=0, difficulty=4, split="train")
@@ -184,11 +207,15 @@ def test_long_share_sets_the_share_of_long_problems() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [{"difficulty": 9}, {"split": "test"}, {"n": -1}, {"long_share": 1.5}, {"long_share": -0.1}]
+    ("bad", "message"),
+    [({"difficulty": 9}, "difficulty"), ({"split": "test"}, "split"), ({"n": -1}, "n must"),
+     ({"long_share": 1.5}, "long_share"), ({"long_share": -0.1}, "long_share"),
+     ({"event_tail": 2.0}, "event_tail=2.0 applies only to .*log-uniform.*not to 2"),
+     ({"difficulty": 5, "event_tail": -1.0}, "event_tail must be in")],
 )
-def test_bad_arguments_fail_loudly(bad: dict[str, object]) -> None:
+def test_bad_arguments_fail_loudly(bad: dict[str, object], message: str) -> None:
     args: dict[str, object] = {"n": 3, "seed": 0, "difficulty": 2, "split": "train", **bad}
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=message):
         make_problems(**args)  # type: ignore[arg-type]
 
 

@@ -66,9 +66,12 @@ def test_cache_key_and_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     assert tb.config_key(dataclasses.replace(cfg, template="dapo")) != tb.config_key(cfg)
     assert tb.config_key(dataclasses.replace(cfg, long_share=0.5)) != tb.config_key(cfg)
     assert tb.config_key(dataclasses.replace(cfg, error_mode="one_per_solution")) != tb.config_key(cfg)
-    # error_mode came after bases were cached: at its default it stays out of the key, so the key
-    # is the one computed from the fields without it (cached default builds stay valid)
-    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("cache_dir", "log_every", "error_mode")}
+    long = dataclasses.replace(cfg, difficulty=5)
+    assert tb.config_key(dataclasses.replace(long, event_tail=2.0)) != tb.config_key(long)
+    # error_mode and event_tail came after bases were cached: at their defaults they stay out of the
+    # key, so the key is the one computed from the fields without them (cached builds stay valid)
+    late = ("cache_dir", "log_every", "error_mode", "event_tail")
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in late}
     payload = {"build_version": tb.BUILD_VERSION, "template": tb.resolve_template(cfg.template), **fields}
     assert tb.config_key(cfg) == hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
     monkeypatch.setenv("VAPO_CACHE", str(tmp_path))
@@ -82,6 +85,10 @@ def test_cache_key_and_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
         tb.TinyBaseConfig(long_share=-0.5)
     with pytest.raises(ValueError, match="error_mode.*'per_token'"):
         tb.TinyBaseConfig(error_mode="per_token")
+    with pytest.raises(ValueError, match="event_tail=2.0 needs a difficulty with log-uniform.*got difficulty 2"):
+        tb.TinyBaseConfig(event_tail=2.0)
+    with pytest.raises(ValueError, match="event_tail must be in"):
+        tb.TinyBaseConfig(difficulty=5, event_tail=9.0)
 
 
 def test_batches_use_the_rl_prompt_and_train_on_completions_only() -> None:

@@ -173,14 +173,24 @@ def split_of(start: int, steps: tuple[Step, ...]) -> Split:
     return "eval" if int.from_bytes(digest[:8], "big") % 100 < EVAL_FRACTION_PERCENT else "train"
 
 
-def _num_steps(rng: random.Random, spec: DifficultySpec, long_share: float = LONG_SHARE) -> int:
+def _num_steps(
+    rng: random.Random, spec: DifficultySpec, long_share: float = LONG_SHARE, event_tail: float = 1.0
+) -> int:
     """Skewed towards short problems: ``1 - long_share`` from [1, 5/12 max], the rest from above
     that up to max (difficulty 2 at the default 0.15: 1-5 or 6-12 steps, mean ~3.9, i.e. ~80
-    solution tokens); with ``spec.log_uniform_steps``, floor(exp(u)) for u uniform in
-    [0, ln(max + 1)), so P(n) = ln((n + 1) / n) / ln(max + 1) (max 40: P(1) = 0.19, P(>= 20) = 0.19)."""
+    solution tokens). With ``spec.log_uniform_steps``: floor(x) for x drawn from the power law
+    x^-event_tail on [1, max + 1). At ``event_tail`` 1 (the task's) that is floor(exp(u)) for u
+    uniform in [0, ln(max + 1)), so P(n) = ln((n + 1) / n) / ln(max + 1) (max 40: P(1) = 0.19,
+    P(>= 20) = 0.19); at 2, P(n) = (1/n - 1/(n + 1)) / (1 - 1/(max + 1)) (P(1) = 0.51,
+    P(>= 20) = 0.026)."""
     max_steps = spec.max_steps
     if spec.log_uniform_steps:
-        return min(max_steps, int(math.exp(rng.uniform(0.0, math.log(max_steps + 1)))))
+        if event_tail == 1.0:
+            return min(max_steps, int(math.exp(rng.uniform(0.0, math.log(max_steps + 1)))))
+        # inverse CDF of x^-t on [1, M + 1): F(x) = (1 - x^(1-t)) / (1 - (M + 1)^(1-t))
+        a = 1.0 - event_tail
+        x = (1.0 - rng.random() * (1.0 - (max_steps + 1) ** a)) ** (1.0 / a)
+        return min(max_steps, int(x))
     short = max(1, max_steps * 5 // 12)
     if short == max_steps or rng.random() < 1.0 - long_share:
         return rng.randint(1, short)
@@ -234,12 +244,13 @@ def solution_answer(start: int, steps: tuple[Step, ...], flips: frozenset[int] =
 
 
 def _draw_problem(
-    rng: random.Random, spec: DifficultySpec, difficulty: int, long_share: float = LONG_SHARE
+    rng: random.Random, spec: DifficultySpec, difficulty: int, long_share: float = LONG_SHARE,
+    event_tail: float = 1.0,
 ) -> SyntheticProblem:
     name, *others = rng.sample(NAMES, 4)
     item = rng.choice(ITEMS)
     start = rng.randint(spec.min_value, spec.max_value)
-    steps = _draw_steps(rng, start, _num_steps(rng, spec, long_share), spec, others)
+    steps = _draw_steps(rng, start, _num_steps(rng, spec, long_share, event_tail), spec, others)
     return SyntheticProblem(
         question=_question(name, item, start, steps),
         answer=solution_answer(start, steps),
@@ -251,18 +262,27 @@ def _draw_problem(
 
 
 def make_problems(
-    n: int, seed: int, difficulty: int = 2, split: Split = "train", long_share: float = LONG_SHARE
+    n: int, seed: int, difficulty: int = 2, split: Split = "train", long_share: float = LONG_SHARE,
+    event_tail: float = 1.0,
 ) -> list[SyntheticProblem]:
     """``n`` distinct problems of ``split`` (disjoint from the other split), reproducible from
-    ``seed``; ``long_share`` of them from the long range of event counts (the task's sets use the
-    default; the tiny base's pre-training may see more long ones)."""
+    ``seed``; ``long_share`` of them from the long range of event counts, or, at difficulties with
+    log-uniform event counts, event counts from the power law of exponent ``event_tail`` (the
+    task's sets use the defaults; the tiny base's pre-training may weight them otherwise)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if not 0.0 <= long_share <= 1.0:
         raise ValueError(f"long_share must be in [0, 1], got {long_share}")
+    spec = difficulty_spec(difficulty)
+    if not 0.0 <= event_tail <= 8.0:
+        raise ValueError(f"event_tail must be in [0, 8], got {event_tail}")
+    if event_tail != 1.0 and not spec.log_uniform_steps:
+        raise ValueError(
+            f"event_tail={event_tail} applies only to difficulties with log-uniform event counts "
+            f"({sorted(d for d, s in DIFFICULTIES.items() if s.log_uniform_steps)}), not to {difficulty}"
+        )
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    spec = difficulty_spec(difficulty)
     rng = random.Random(f"{seed}|{difficulty}|{split}")
     seen: set[str] = set()
     out: list[SyntheticProblem] = []
@@ -271,7 +291,7 @@ def make_problems(
         attempts += 1
         if attempts > 200 * n + 10_000:
             raise RuntimeError(f"could not draw {n} distinct {split} problems at difficulty {difficulty}")
-        p = _draw_problem(rng, spec, difficulty, long_share)
+        p = _draw_problem(rng, spec, difficulty, long_share, event_tail)
         key = canonical_key(p.start, p.steps)
         if key in seen or split_of(p.start, p.steps) != split:
             continue
