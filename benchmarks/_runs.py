@@ -65,8 +65,8 @@ for cfg in {m.tiny_base_config() for m in models if m.path is None}:
 
 def ensure_bases(overrides: Iterable[Sequence[str]]) -> float:
     """Build (or find in the cache) every tiny base that learner runs with these ``overrides``
-    start from, before any timed run: a base built inside a run counts against its timeout (the long task's base takes
-    ~27 min on 2 cores, past ``--budget long``'s 25-min limit). Returns the seconds it took."""
+    start from, before any timed run: a base built inside a run counts against its timeout (the long task's first base
+    took ~27 min on 2 cores, past ``--budget long``'s 25-min limit). Returns the seconds it took."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH", "")) if p)
     t0 = time.monotonic()

@@ -4,6 +4,7 @@
     python benchmarks/ablation.py --budget standard --resume   # every row x 3 seeds at quick's scale (~2.2 h)
     python benchmarks/ablation.py --budget full           # every variant, 3 seeds, 200 steps
     python benchmarks/ablation.py --budget long --resume  # the rows about long responses, data=synthetic_long
+    python benchmarks/ablation.py --budget long_base3000 --report-only  # the 2026-12-07 long table (first base)
     python benchmarks/ablation.py --budget quick --dry-run   # print the commands, run nothing
     python benchmarks/ablation.py --report-only           # rebuild md/png from ablation_runs.json
 
@@ -13,7 +14,7 @@ derived from ``vapo_async.algo.presets`` (``vapo_without(x)`` / ``PRESETS[name]`
 the preset the row starts from), and the composed learner config of every row is checked against
 the intended ``AlgoConfig`` before anything runs, so the harness follows the presets as they change.
 
-Writes ``benchmarks/results/ablation.md`` (``ablation_long.*`` for the long budget) (table beside the paper's Table 1, generated reading,
+Writes ``benchmarks/results/ablation.md`` (``ablation_long_tail2.*`` for the long budget, ``ablation_long.*`` for long_base3000) (table beside the paper's Table 1, generated reading,
 the notes in ``ablation.notes.md``), ``ablation.png`` (held-out accuracy, mean and +-1 std band per
 row) and ``ablation_runs.json`` (every run: overrides, status, curves). Raw run directories go to
 ``benchmarks/results/tmp/ablation/`` (git-ignored). Runs are sequential, seed-major (every row
@@ -101,6 +102,12 @@ class Budget:
                 f"prompts every {self.eval_every} steps (and at step 0); timeout {self.timeout_s / 60:.0f} min/run")
 
 
+LONG_ROWS = ("vapo", "ppo", "vapo_without_decoupled_gae", "vapo_without_length_adaptive_gae",
+             "vapo_without_value_pretraining", "grpo")
+"""Item 2 of issue 21: the rows the paper's argument about long responses is about."""
+LONG_BASE3000 = ("model.tiny.event_tail=1.0", "model.tiny.train_steps=3000", "model.tiny.batch_size=16")
+"""The long task's first base (key 6f74901b60d5de56), on which ``ablation_long`` ran."""
+
 BUDGETS = {
     # quick: sized to <= 60 min on 2 CPU cores (~4 min per run: engine start, 36 steps of 64
     # responses, post-hoc evaluation at 4 versions): the four algorithms x 3 seeds. 36 x 64 responses
@@ -113,11 +120,18 @@ BUDGETS = {
     "standard": Budget("standard", VARIANTS, (0, 1, 2), steps=36, prompts=8, samples=8, value_warmup_steps=3,
                        eval_every=12, eval_prompts=32, eval_samples=16, timeout_s=600),
     # long: the rows the paper's argument about long responses is about, on data=synthetic_long
-    # (solutions of ~25-650 tokens), at the quick budget's sample budget; ~8-10 min per run.
-    "long": Budget("long", ("vapo", "ppo", "vapo_without_decoupled_gae", "vapo_without_length_adaptive_gae",
-                            "vapo_without_value_pretraining", "grpo"), (0, 1, 2), steps=36, prompts=8, samples=8,
+    # (solutions of ~25-650 tokens) and its current base, at the quick budget's sample budget;
+    # ~8-10 min per run (~2.5 h).
+    "long": Budget("long", LONG_ROWS, (0, 1, 2), steps=36, prompts=8, samples=8,
                    value_warmup_steps=3, eval_every=12, eval_prompts=32, eval_samples=16, timeout_s=1500,
-                   task=("data=synthetic_long",), results="ablation_long"),
+                   task=("data=synthetic_long",), results="ablation_long_tail2"),
+    # long_base3000: the same on the long task's first base (event_tail 1, 3000 steps of 16, a 27-min
+    # build), the base of the committed ablation_long table (2026-12-07); kept to regenerate it
+    # (--report-only) and to rerun it as it ran.
+    "long_base3000": Budget("long_base3000", LONG_ROWS, (0, 1, 2), steps=36, prompts=8, samples=8,
+                            value_warmup_steps=3, eval_every=12, eval_prompts=32, eval_samples=16,
+                            timeout_s=1500, task=("data=synthetic_long", *LONG_BASE3000),
+                            results="ablation_long"),
     "full": Budget("full", VARIANTS, (0, 1, 2), steps=200, prompts=16, samples=8, value_warmup_steps=8,
                    eval_every=10, eval_prompts=64, eval_samples=16, timeout_s=4 * 3600),
 }

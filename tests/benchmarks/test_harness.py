@@ -162,7 +162,15 @@ def test_rows_compose_to_the_intended_configs() -> None:
     ablation.check_rows(ablation.BUDGETS["full"])
     long = ablation.BUDGETS["long"]
     ablation.check_rows(long)
-    assert long.common_overrides("posthoc")[0] == "data=synthetic_long" and long.results == "ablation_long"
+    assert long.common_overrides("posthoc")[0] == "data=synthetic_long" and long.results == "ablation_long_tail2"
+    # the committed long table's budget pins the base it ran on (its key is in the table's logs)
+    first = ablation.BUDGETS["long_base3000"]
+    ablation.check_rows(first)
+    assert first.results == "ablation_long" and first.variants == long.variants
+    from vapo_async.data.tiny_base import config_key
+    from vapo_async.learner.__main__ import compose_config
+    key = config_key(compose_config(list(first.common_overrides("posthoc"))).model.tiny_base_config())
+    assert key == "6f74901b60d5de56"
     staleness.check_rows(dataclasses.replace(staleness.BUDGETS["quick"], etas=(0, 4)))
 
 
