@@ -84,6 +84,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no weight-loading 
 from vapo_async.algo.presets import preset  # noqa: E402
 from vapo_async.data.hf_dir import TinyQwen2Shape, write_random_qwen2  # noqa: E402
 from vapo_async.data.tiny_base import TinyBaseConfig  # noqa: E402
+from vapo_async.learner.attention import set_packed_attention  # noqa: E402
 from vapo_async.learner.batching import MicroBatch, Plan, collate, make_plan, padding_micro_batch  # noqa: E402
 from vapo_async.learner.config import BatchingConfig  # noqa: E402
 from vapo_async.learner.models import compile_blocks, load_actor, load_critic  # noqa: E402
@@ -213,6 +214,8 @@ class Job:
     pack_row_tokens: int
     compile: bool = False
     """``model.compile``: ``compile_blocks`` on actor and critic, as ``configure_model`` does."""
+    packed_attention: str = "segments"
+    """``batching.packed_attention`` resolved (``segments`` or ``mask``): packed layouts only."""
 
 
 def step_micro_batches(local: RolloutBatch, plan: Plan, packed: bool, pad: int) -> list[MicroBatch]:
@@ -246,6 +249,8 @@ def run_job(job: Job) -> dict:
     rss_before = peak_rss_bytes()
     algo = preset("vapo")
     actor, critic = load_actor(job.model_dir), load_critic(job.model_dir)
+    if job.layout == "packed":  # as configure_model does with batching.packing=true
+        set_packed_attention((actor, critic), job.packed_attention)
     if job.compile:
         compile_blocks(actor)
         compile_blocks(critic)
@@ -387,7 +392,8 @@ in the table; above the thread count other jobs share the cores and the figures 
 Batch (every configuration): {res['batch']}, {res['tokens_per_step']:.0f} tokens per step. One step =
 recompute + GAE + {res['mini_batches']} mini-batch updates of actor and critic (ppo_epochs = {res['ppo_epochs']}), AdamW,
 the learner's own functions. Micro-batches: budget {b['micro_batch_tokens']} tokens, cut price
-{b['overhead_tokens']:.0f} tokens; packed rows up to {b['pack_row_tokens'] or 'the longest sequence'}{'' if not b['pack_row_tokens'] else ' tokens'}.
+{b['overhead_tokens']:.0f} tokens; packed rows up to {b['pack_row_tokens'] or 'the longest sequence'}{'' if not b['pack_row_tokens'] else ' tokens'},
+packed attention: {b.get('packed_attention', 'mask (before 2026-12-07)')}.
 Median of {res['steps']} timed step(s) after a warm-up step; each configuration in a fresh process.
 Reference: fp32 1024^3 torch.mm on {res['threads']} thread(s), best of {len(res['matmul_all'])} measurements
 (before the first and after every configuration): **{peak / 1e9:.1f} GFLOP/s** (lowest {min(res['matmul_all']) / 1e9:.1f}).
@@ -489,6 +495,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="cut price of a micro-batch in tokens (the learner's CPU default)")
     ap.add_argument("--pack-row-tokens", type=int, default=cpu.pack_row_tokens,
                     help="packed row capacity (0: the batch's longest sequence)")
+    ap.add_argument("--packed-attention", choices=("segments", "mask"), default=cpu.packed_attention_for("cpu"),
+                    help="batching.packed_attention for packed layouts (default: the learner's CPU choice)")
     ap.add_argument("--compile", action="store_true",
                     help="model.compile: torch.compile every transformer block (the warm-up step compiles)")
     ap.add_argument("--name", default=DEFAULT_NAME, help="results file stem in benchmarks/results/, or a path stem")
@@ -515,7 +523,7 @@ def main(argv: list[str] | None = None) -> None:
         "batch": f"{algo.batch_groups} groups x G={algo.group_size}, prompts 40-80 tokens, responses 20-200 tokens",
         "mini_batches": algo.mini_batches, "ppo_epochs": algo.ppo_epochs,
         "batching": {"micro_batch_tokens": args.micro_batch_tokens, "overhead_tokens": args.overhead_tokens,
-                     "pack_row_tokens": args.pack_row_tokens},
+                     "pack_row_tokens": args.pack_row_tokens, "packed_attention": args.packed_attention},
         "sizes": {n: {**asdict(SIZES[n].shape), "vocab": SIZES[n].vocab, "tied": SIZES[n].tied} for n in args.sizes},
         "configs": [],
     }
@@ -525,7 +533,7 @@ def main(argv: list[str] | None = None) -> None:
             model_dir = build_model_dir(SIZES[size], Path(tmp) / size)
             for layout in args.layouts:
                 job = Job(size, layout, str(model_dir), args.steps, args.threads, args.micro_batch_tokens,
-                          args.overhead_tokens, args.pack_row_tokens, args.compile)
+                          args.overhead_tokens, args.pack_row_tokens, args.compile, args.packed_attention)
                 res["configs"].append(run_in_fresh_process(job))
                 res["matmul_all"].append(matmul_rate())
                 res["matmul_flops"] = max(res["matmul_all"])  # a shared machine only ever lowers it

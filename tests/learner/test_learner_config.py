@@ -72,6 +72,7 @@ def test_any_trainer_flag_is_an_override():
     ("algo.eta=-1", "AlgoConfig.eta"),
     ("reward.overlong_shaping=true", "reward.overlong_shaping"),
     ("batching.micro_batch_overhead_tokens=-1", "batching.micro_batch_overhead_tokens"),
+    ("batching.packed_attention=dense", "batching.packed_attention"),
     ("sampling.top_p=2", "top_p"),  # common.sampling.SamplingConfig, the generators' type too
     ("sampling.max_tokens=0", "sampling.max_tokens"),
 ])

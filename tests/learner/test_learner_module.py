@@ -12,6 +12,7 @@ import torch
 from learner_helpers import make_groups
 
 from vapo_async.algo.presets import preset
+from vapo_async.learner.attention import SEGMENTS
 from vapo_async.learner.config import LearnerConfig
 from vapo_async.learner.module import LearnerModule
 from vapo_async.learner.stream import ListSource
@@ -76,7 +77,11 @@ def test_packed_batches_give_the_padded_step(tiny_model_dir, tmp_path):
     """``batching.packing`` through the module (plan -> rows over the stream -> packed collate ->
     forward): the step's statistics equal the padded run's, and the packed plan pads less."""
     padded = _fit(tiny_model_dir, tmp_path / "a", 1).state.last.metrics
-    packed = _fit(tiny_model_dir, tmp_path / "b", 1, packing=True).state.last.metrics
+    packed_module = _fit(tiny_model_dir, tmp_path / "b", 1, packing=True)
+    # on CPU batching.packed_attention=auto runs SDPA per sequence (learner/attention.py)
+    assert packed_module.actor.config._attn_implementation == SEGMENTS
+    assert packed_module.critic.config._attn_implementation == SEGMENTS
+    packed = packed_module.state.last.metrics
     timing = ("perf/", "weights/write_s", "rollout/gen_time_s_mean")
     compared = [k for k in padded if not k.startswith(timing)]
     assert {"mismatch/kl", "critic/value_loss", "critic/grad_norm"} <= set(compared) and set(packed) == set(padded)

@@ -16,6 +16,7 @@ from learner_helpers import make_groups, random_actor_critic
 from torch import nn
 
 from vapo_async.algo.presets import PRESETS
+from vapo_async.learner.attention import set_packed_attention
 from vapo_async.learner.batching import MicroBatch, collate, make_plan, pack_rows, row_starts
 from vapo_async.learner.models import actor_logprobs, critic_values, model_inputs
 from vapo_async.learner.stream import ListSource, RolloutStream, StreamConfig
@@ -237,10 +238,12 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-def test_packed_micro_batch_equals_padded_with_gradients(models_32k) -> None:
-    """One micro-batch of 16 responses: padded (16 rows) vs packed (rows of <= 64 tokens, several
-    sequences each); log-probs and entropy in chunks of 7 tokens, values; gradients of a random
-    linear function of them for every actor and critic parameter."""
+@pytest.mark.parametrize("attention", ["mask", "segments"])
+def test_packed_micro_batch_equals_padded_with_gradients(models_32k, attention: str) -> None:
+    """One micro-batch of 16 responses: padded (16 rows, SDPA) vs packed (rows of <= 64 tokens,
+    several sequences each; transformers' block-diagonal mask or SDPA per sequence); log-probs and
+    entropy in chunks of 7 tokens, values; gradients of a random linear function of them for every
+    actor and critic parameter."""
     actor, critic = models_32k
     seqs = _seqs_32k(seed=3)
     lens = seqs.seq_lens.tolist()
@@ -262,7 +265,13 @@ def test_packed_micro_batch_equals_padded_with_gradients(models_32k) -> None:
         ((a * logp + b * ent + c * values) * mask).sum().backward()
         return [t.detach() * mask for t in (logp, ent, values)], _grads(actor), _grads(critic)
 
-    ref, got = run(padded), run(packed)
+    ref = run(padded)
+    set_packed_attention((actor, critic), attention)
+    try:
+        got = run(packed)
+    finally:
+        for m in (actor, critic):
+            m.set_attn_implementation("sdpa")
     for name, r, x in zip(("logp", "entropy", "values"), ref[0], got[0], strict=True):
         _close(x, r, name)
     for model, k in ((actor, 1), (critic, 2)):

@@ -22,10 +22,11 @@ sequence ``prompt_ids of its group + response_ids``):
    response-aligned (b, Tr) view the ``algo`` functions expect from the (n, T) outputs: one row
    per response either way, so nothing after the forward pass knows about packing.
 
-Cost of packing: SDPA (CPU; GPU without flash attention) applies the block-diagonal mask densely,
-so a row of C tokens pays C^2 in attention however its sequences split it; C therefore defaults to
-the batch's longest sequence, and on CPU a packed step was no faster than a padded one (the
-padded plan's length sorting already keeps padding near 5%). Varlen flash attention pays
+Cost of packing: transformers' SDPA path applies the block-diagonal mask densely, so a row of C
+tokens pays C^2 in attention however its sequences split it; C therefore defaults to the batch's
+longest sequence, and on CPU a packed step was no faster than a padded one (the padded plan's
+length sorting already keeps padding near 5%). Varlen flash attention (GPU) and SDPA per sequence
+(``learner/attention.py``, ``batching.packed_attention=segments``, the CPU default) pay
 sum_i len_i^2 whatever C is: there C can be the whole micro-batch budget (one row, no padding).
 
 The global mini-batches do not depend on the number of ranks, so a step on R ranks computes the same

@@ -128,9 +128,16 @@ class BatchingConfig:
     restarting per sequence and attention never crossing sequences (transformers' packed path from
     ``position_ids``: a block-diagonal causal mask with SDPA, varlen kernels with flash attention),
     instead of one right-padded sequence per row. Same log-probs, values, losses and gradients
-    either way (tests/learner/test_learner_packing.py). Off by default: on CPU it cut padding from
-    5-7% to 1-2% of tokens but a step was 0-15% slower (SDPA's block-diagonal mask is dense, so a
-    row of C tokens pays C^2 in attention; learner/batching.py)."""
+    either way (tests/learner/test_learner_packing.py). Off by default: on CPU with transformers'
+    dense block-diagonal mask it cut padding from 5-7% to 1-2% of tokens but a step was 0-15%
+    slower (a row of C tokens pays C^2 in attention); ``packed_attention`` (SDPA per sequence, the
+    CPU default since 2026-12-07) removes that cost and has not been timed against it yet."""
+    packed_attention: str = "auto"
+    """How an SDPA model keeps the sequences of a packed row apart: ``segments`` runs SDPA once per
+    sequence (sum_i L_i^2 attention work, no mask; ``learner/attention.py``), ``mask`` uses
+    transformers' dense block-diagonal mask (C^2 per row of C tokens), ``auto``: segments on CPU,
+    mask on a GPU (one kernel launch per sequence would cost more there; install flash attention
+    for the GPU's varlen kernels). Models on another attention implementation keep it."""
     pack_row_tokens: int = 0
     """Capacity C of a packed row in tokens; 0 = the batch's longest sequence (a sequence longer
     than C gets a row of its own). Varlen flash attention does not pay for long rows: up to
@@ -139,6 +146,14 @@ class BatchingConfig:
     """Longest wait for rollouts in one step before the learner gives up with an error."""
     max_sampling_rounds: int = 8
     """Dynamic sampling / stale refills: most pulls per step (then train on a partial batch)."""
+
+    def packed_attention_for(self, device_type: str) -> str:
+        """``packed_attention``, resolved for a ``torch.device.type`` (``segments`` or ``mask``)."""
+        if self.packed_attention not in ("auto", "segments", "mask"):
+            raise ValueError(f"batching.packed_attention must be auto, segments or mask, got {self.packed_attention!r}")
+        if self.packed_attention != "auto":
+            return self.packed_attention
+        return "segments" if device_type == "cpu" else "mask"
 
     def overhead_for(self, device_type: str) -> int:
         """``micro_batch_overhead_tokens``, resolved for a ``torch.device.type``."""
@@ -327,6 +342,8 @@ def validate(cfg: LearnerConfig) -> None:
                           "must be >= 0 (or null: chosen for the device)")
     if cfg.batching.micro_batch_tokens < 1:
         raise ConfigError(f"batching.micro_batch_tokens={cfg.batching.micro_batch_tokens}: must be >= 1")
+    if cfg.batching.packed_attention not in ("auto", "segments", "mask"):
+        raise ConfigError(f"batching.packed_attention={cfg.batching.packed_attention!r}: must be auto, segments or mask")
     if not 0 <= cfg.batching.pack_row_tokens <= cfg.batching.micro_batch_tokens:
         raise ConfigError(f"batching.pack_row_tokens={cfg.batching.pack_row_tokens}: must be in "
                           f"[0, batching.micro_batch_tokens={cfg.batching.micro_batch_tokens}] (0 = longest sequence)")

@@ -17,7 +17,9 @@ step.
 Packed micro-batches (``MicroBatch.packed``) go through transformers' own packed-sequence path:
 ``position_ids`` restarting at 0 per sequence and no attention mask, from which the model builds a
 block-diagonal causal mask (SDPA, eager) or runs variable-length kernels (flash attention), so
-attention never crosses sequences and positions are each sequence's own.
+attention never crosses sequences and positions are each sequence's own. With
+``batching.packed_attention=segments`` (the CPU default) an SDPA model runs
+``learner/attention.py`` instead: SDPA per sequence, no dense mask.
 
 Departures: VAPO initialises the critic from a reward model; with no reward model (the tiny
 default) it starts from the base model's backbone, as VC-PPO's ablations and most open
@@ -40,6 +42,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from vapo_async.algo.chunked import DEFAULT_CHUNK, logprob_entropy
+from vapo_async.learner.attention import SEGMENTS
 from vapo_async.learner.batching import MicroBatch
 
 log = logging.getLogger(__name__)
@@ -126,7 +129,7 @@ def compile_blocks(model: nn.Module) -> None:
         block.compile(dynamic=True)
 
 
-PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+PACKED_ATTENTION = ("sdpa", SEGMENTS, "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 """Attention implementations that keep packed sequences apart given their ``position_ids``."""
 
 

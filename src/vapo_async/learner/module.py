@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from vapo_async.learner.attention import set_packed_attention
 from vapo_async.learner.batching import MicroBatch, collate, padding_micro_batch
 from vapo_async.learner.config import LearnerConfig
 from vapo_async.learner.models import compile_blocks, load_actor, load_critic, shard
@@ -118,6 +119,10 @@ class LearnerModule(L.LightningModule):
             self.critic = load_critic(self.model_path, mc.critic_path, mc.gradient_checkpointing)
         if self.algo.kl_coef > 0:  # frozen copy of the initial policy (not a submodule: not saved)
             self._ref = [load_actor(self.model_path).requires_grad_(False).eval()]
+        bc = self.cfg.batching
+        if bc.packing:
+            set_packed_attention((self.actor, self.critic, self.ref),
+                                 bc.packed_attention_for(self.trainer.strategy.root_device.type))
         mesh = self._mesh()
         if mesh is not None:
             mp = torch.bfloat16 if str(self.cfg.trainer.precision).startswith("bf16") else None
