@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 from learner_helpers import random_actor_critic
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from vapo_async.learner.attention import (
     SEGMENTS,
@@ -128,3 +129,13 @@ def test_the_choice_by_device_and_errors_naming_the_setting() -> None:
     other.config = types.SimpleNamespace(_attn_implementation="eager")
     set_packed_attention([other], "segments")
     assert other.config._attn_implementation == "eager"
+    # so does a model with sliding-window layers (the window lives in transformers' mask)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    windowed = Qwen2ForCausalLM(cfg)
+    assert "sliding_attention" in windowed.config.layer_types
+    set_packed_attention([windowed], "segments")
+    assert windowed.config._attn_implementation == "sdpa"
+    q = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="batching.packed_attention=mask"):
+        segments_attention_forward(_gqa_module(1), q, q, q, None, position_ids=torch.arange(3)[None], sliding_window=4)

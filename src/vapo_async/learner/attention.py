@@ -65,6 +65,9 @@ def segments_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     with ``position_ids`` (B, T) or (1, T) in ``kwargs`` and no mask (packed rows), causal SDPA
     on each sequence's slice; otherwise transformers' SDPA as is (padded rows, decoding)."""
     position_ids = kwargs.get("position_ids")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("attention by segments has no sliding window (use_segments leaves such models on "
+                         "SDPA): set batching.packed_attention=mask")
     if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -109,10 +112,13 @@ def set_packed_attention(models: Iterable[torch.nn.Module | None], mode: str) ->
 
 def use_segments(model: torch.nn.Module) -> bool:
     """Switch ``model`` (a transformers model on SDPA) to ``SEGMENTS``; True if it switched.
-    Other implementations (flash attention's varlen kernels, eager) are left as they are."""
+    Other implementations (flash attention's varlen kernels, eager) and models with sliding-window
+    layers (their window is in transformers' mask) are left as they are."""
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return False
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return False  # the window lives in transformers' mask, which SEGMENTS does not build
     register()
     model.set_attn_implementation(SEGMENTS)
     return model.config._attn_implementation == SEGMENTS
