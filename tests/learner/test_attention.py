@@ -136,6 +136,11 @@ def test_the_choice_by_device_and_errors_naming_the_setting() -> None:
     assert "sliding_attention" in windowed.config.layer_types
     set_packed_attention([windowed], "segments")
     assert windowed.config._attn_implementation == "sdpa"
+    # Mistral-style: no layer_types, a window on every layer (config.sliding_window)
+    mistral_like = torch.nn.Module()
+    mistral_like.config = types.SimpleNamespace(_attn_implementation="sdpa", sliding_window=4096)
+    set_packed_attention([mistral_like], "segments")
+    assert mistral_like.config._attn_implementation == "sdpa"
     q = torch.zeros(1, 2, 3, 8)
     with pytest.raises(ValueError, match="batching.packed_attention=mask"):
         segments_attention_forward(_gqa_module(1), q, q, q, None, position_ids=torch.arange(3)[None], sliding_window=4)

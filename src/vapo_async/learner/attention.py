@@ -65,12 +65,12 @@ def segments_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     with ``position_ids`` (B, T) or (1, T) in ``kwargs`` and no mask (packed rows), causal SDPA
     on each sequence's slice; otherwise transformers' SDPA as is (padded rows, decoding)."""
     position_ids = kwargs.get("position_ids")
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("attention by segments has no sliding window (use_segments leaves such models on "
-                         "SDPA): set batching.packed_attention=mask")
     if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("attention by segments has no sliding window (use_segments leaves such models on "
+                         "SDPA): set batching.packed_attention=mask")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "is_causal")}
     bounds = segment_bounds(position_ids.expand(query.shape[0], -1))
     if all(len(segs) == 1 for segs in bounds):  # one sequence per row: a single causal call
@@ -117,7 +117,7 @@ def use_segments(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return False
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+    if getattr(config, "sliding_window", None) is not None or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return False  # the window lives in transformers' mask, which SEGMENTS does not build
     register()
     model.set_attn_implementation(SEGMENTS)
