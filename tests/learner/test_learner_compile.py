@@ -31,6 +31,19 @@ def _run(actor, critic, mb, weights):
     return [t.detach() * mask for t in (logp, ent, values)], grads
 
 
+def _assert_same(eager_actor, eager_critic, actor, critic, mb, seed: int) -> None:
+    """The compiled pair's outputs and gradients equal the eager pair's on ``mb`` (random weights
+    seeded by ``seed``): outputs to 1e-5, gradients to 1e-4 of the reference's largest entry."""
+    g = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(mb.resp_mask.shape, generator=g) for _ in range(3)]
+    ref_out, ref_grads = _run(eager_actor, eager_critic, mb, weights)
+    out, grads = _run(actor, critic, mb, weights)
+    for name, r, x in zip(("logp", "entropy", "values"), ref_out, out, strict=True):
+        assert (x - r).abs().max() <= 1e-5 * r.abs().max() + 1e-6, (seed, name)
+    for r, x in zip(ref_grads, grads, strict=True):
+        assert (x - r).abs().max() <= 1e-4 * r.abs().max() + 1e-7, seed
+
+
 def test_compiled_blocks_equal_eager_with_gradients() -> None:
     eager_actor, eager_critic = random_actor_critic(vocab=512, max_positions=256)
     actor, critic = copy.deepcopy(eager_actor), copy.deepcopy(eager_critic)
@@ -47,14 +60,7 @@ def test_compiled_blocks_equal_eager_with_gradients() -> None:
             row_of = {i: r for r, row in enumerate(pack_rows(seqs.seq_lens.tolist(), 64)) for i in row}
             rows = [row_of[i] for i in idx]
         mb = collate(seqs, idx, pad_id=0, rows=rows)
-        g = torch.Generator().manual_seed(seed)
-        weights = [torch.randn(mb.resp_mask.shape, generator=g) for _ in range(3)]
-        ref_out, ref_grads = _run(eager_actor, eager_critic, mb, weights)
-        out, grads = _run(actor, critic, mb, weights)
-        for name, r, x in zip(("logp", "entropy", "values"), ref_out, out, strict=True):
-            assert (x - r).abs().max() <= 1e-5 * r.abs().max() + 1e-6, (seed, name)
-        for r, x in zip(ref_grads, grads, strict=True):
-            assert (x - r).abs().max() <= 1e-4 * r.abs().max() + 1e-7, seed
+        _assert_same(eager_actor, eager_critic, actor, critic, mb, seed)
 
 
 def test_compiled_blocks_with_attention_by_segments_equal_eager() -> None:
@@ -71,11 +77,4 @@ def test_compiled_blocks_with_attention_by_segments_equal_eager() -> None:
         idx = list(range(seqs.n_responses))
         row_of = {i: r for r, row in enumerate(pack_rows(seqs.seq_lens.tolist(), 64)) for i in row}
         mb = collate(seqs, idx, pad_id=0, rows=[row_of[i] for i in idx])
-        g = torch.Generator().manual_seed(seed)
-        weights = [torch.randn(mb.resp_mask.shape, generator=g) for _ in range(3)]
-        ref_out, ref_grads = _run(eager_actor, eager_critic, mb, weights)
-        out, grads = _run(actor, critic, mb, weights)
-        for name, r, x in zip(("logp", "entropy", "values"), ref_out, out, strict=True):
-            assert (x - r).abs().max() <= 1e-5 * r.abs().max() + 1e-6, (seed, name)
-        for r, x in zip(ref_grads, grads, strict=True):
-            assert (x - r).abs().max() <= 1e-4 * r.abs().max() + 1e-7, seed
+        _assert_same(eager_actor, eager_critic, actor, critic, mb, seed)
