@@ -131,7 +131,8 @@ class BatchingConfig:
     either way (tests/learner/test_learner_packing.py). Off by default: on CPU with transformers'
     dense block-diagonal mask it cut padding from 5-7% to 1-2% of tokens but a step was 0-15%
     slower (a row of C tokens pays C^2 in attention); ``packed_attention`` (SDPA per sequence, the
-    CPU default since 2026-12-07) removes that cost and has not been timed against it yet."""
+    CPU default since 2026-12-07) removes that cost: 7.58 s against 20.18 s a step on the tiny model
+    (benchmarks/results/bench_learner_tiny_rows2048_segments.md); not yet timed at 30M."""
     packed_attention: str = "auto"
     """How an SDPA model keeps the sequences of a packed row apart: ``segments`` runs SDPA once per
     sequence (sum_i L_i^2 attention work, no mask; ``learner/attention.py``), ``mask`` uses
