@@ -122,7 +122,8 @@ BUDGETS = {
     # long: the rows the paper's argument about long responses is about, on data=synthetic_long
     # (solutions of ~25-650 tokens) and its current base, at the quick budget's sample budget;
     # 6-24 min of learner time per run (PPO's responses double, to ~340 tokens: seed 1 took 1418 s
-    # of a 1500-s limit, so the limit is 40 min), ~3.7 h in all plus ~2 min of evaluation per run.
+    # of a 1500-s limit, so the limit is 40 min); 212 min of learner time for all 18 (2026-12-07)
+    # plus ~2 min of evaluation per run.
     "long": Budget("long", LONG_ROWS, (0, 1, 2), steps=36, prompts=8, samples=8,
                    value_warmup_steps=3, eval_every=12, eval_prompts=32, eval_samples=16, timeout_s=2400,
                    task=("data=synthetic_long",), results="ablation_long_tail2"),

@@ -131,9 +131,9 @@ class BatchingConfig:
     either way (tests/learner/test_learner_packing.py). Off by default: on CPU with transformers'
     dense block-diagonal mask it cut padding from 5-7% to 1-2% of tokens but a step was 0-15%
     slower (a row of C tokens pays C^2 in attention); ``packed_attention`` (SDPA per sequence, the
-    CPU default since 2026-12-07) removes that cost: 7.58 s against 20.18 s a step on the tiny model
-    (benchmarks/results/bench_learner_tiny_rows2048_segments.md), and at 30M 101.1 s packed against
-    103.3 s padded, too close to change the default without a default run on it."""
+    CPU default since 2026-12-07) removes that cost; at 30M a packed step then times within 2% of a padded one
+    (benchmarks/results/bench_learner_30m_rows2048_segments.md), too close to change the default
+    without a default run on it."""
     packed_attention: str = "auto"
     """How an SDPA model keeps the sequences of a packed row apart: ``segments`` runs SDPA once per
     sequence (sum_i L_i^2 attention work, no mask; ``learner/attention.py``), ``mask`` uses
